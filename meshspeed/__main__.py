@@ -1,0 +1,3 @@
+from meshspeed.cli import main
+
+raise SystemExit(main())
