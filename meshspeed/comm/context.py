@@ -1,0 +1,186 @@
+"""CommContext: one per process, created by `init()`; it owns everything comm-wide.
+
+The context holds what would otherwise be module-level globals: the rendezvous store, the
+flight recorder, the node topology, the cost model's link parameters and the groups made so
+far. It is passed down explicitly (through Groups and the ParallelDims mesh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshspeed.comm import cost_model
+from meshspeed.comm.errors import ConfigError
+from meshspeed.comm.group import Group
+from meshspeed.comm.trace import FlightRecorder
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds; e.g. {name}=60") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be > 0 seconds; e.g. {name}=60")
+    return value
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _compact(ranks: list[int]) -> str:
+    """`0-3`, `0-6/2` for arithmetic progressions, else a comma list: short, unique, readable."""
+    if len(ranks) == 1:
+        return str(ranks[0])
+    step = ranks[1] - ranks[0]
+    if step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        return f"{ranks[0]}-{ranks[-1]}" + (f"/{step}" if step != 1 else "")
+    return ",".join(map(str, ranks))
+
+
+class CommContext:
+    """Per-process communication state. Use `init()` to make one."""
+
+    def __init__(self, rank: int, world_size: int, backend: str, store, timeout_s: float, debug: bool,
+                 ranks_per_node: int, device: torch.device):
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.store = store
+        self.timeout_s = timeout_s
+        self.debug = debug
+        self.ranks_per_node = ranks_per_node
+        self.device = device
+        self.recorder = FlightRecorder(rank, int(os.environ.get("MESHSPEED_TRACE_BUFFER", "2000")))
+        self.trace_dir = os.environ.get("MESHSPEED_TRACE_DIR") or None
+        self.forced_algos = cost_model.parse_algo_env(os.environ.get("MESHSPEED_ALGO", ""))
+        self.link_params = self._shared_link_params()
+        self._groups: dict[tuple, Group] = {}
+        self._meshes: dict = {}  # ParallelDims -> Mesh: building twice would double every group
+        pg = dist.group.WORLD if world_size > 1 else None
+        self.world = Group(self, pg, list(range(world_size)), "world")
+        self._groups[("world", tuple(range(world_size)))] = self.world
+
+    # -- topology -------------------------------------------------------------------------
+    def node_of(self, rank: int) -> int:
+        """Launchers place ranks node by node, so a node holds a contiguous block of ranks."""
+        return rank // self.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    # -- groups ---------------------------------------------------------------------------
+    def prefixed_store(self, prefix: str):
+        return dist.PrefixStore(prefix, self.store) if self.store is not None else None
+
+    def split(self, partition: list[list[int]], label: str) -> Group:
+        """Make one group per rank list in `partition` and return the one holding this rank.
+
+        Collective over the whole world: every rank must call it with the same partition
+        (torch's new_group requires it). Groups already made are reused.
+        """
+        mine = None
+        for ranks in partition:
+            ranks = [int(r) for r in ranks]
+            key = (label, tuple(ranks))
+            group = self._groups.get(key)
+            if group is None:
+                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                if self.rank in ranks:
+                    group = Group(self, pg, ranks, f"{label}[{_compact(ranks)}]")
+                    self._groups[key] = group
+            if self.rank in ranks:
+                mine = group
+        if mine is None:
+            raise ConfigError(f"group {label!r}: rank {self.rank} is in none of {partition}")
+        return mine
+
+    def adopt(self, pg, ranks: list[int], label: str) -> Group:
+        """Wrap a process group made elsewhere (a DeviceMesh's) that holds this rank."""
+        key = (label, tuple(ranks))
+        if key not in self._groups:
+            self._groups[key] = Group(self, pg, list(ranks), f"{label}[{_compact(list(ranks))}]")
+        return self._groups[key]
+
+    def single(self, label: str = "self") -> Group:
+        """A group of just this rank (degree-1 parallel dims): every collective is a no-op."""
+        key = (label, (self.rank,))
+        if key not in self._groups:
+            self._groups[key] = Group(self, None, [self.rank], f"{label}[{self.rank}]")
+        return self._groups[key]
+
+    # -- tracing --------------------------------------------------------------------------
+    def dump_trace(self) -> str | None:
+        if not self.trace_dir:
+            return None
+        try:
+            return self.recorder.dump(os.path.join(self.trace_dir, f"flight_rank{self.rank}.json"))
+        except OSError:
+            return None
+
+    def _shared_link_params(self) -> cost_model.LinkParams:
+        """Rank 0 loads the fitted parameters and shares them, so every rank picks the same
+        algorithm for the same call (different choices on different ranks would hang)."""
+        if self.world_size == 1 or self.store is None:
+            return cost_model.load(self.backend)
+        if self.rank == 0:
+            self.store.set("meshspeed/link_params", json.dumps(cost_model.load(self.backend).to_dict()))
+        return cost_model.LinkParams.from_dict(json.loads(self.store.get("meshspeed/link_params")))
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched() -> bool:
+    """True under torchrun / meshspeed's own spawner (the env names this process's rank)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init(backend: str | None = None, *, timeout_s: float | None = None, debug: bool | None = None,
+         ranks_per_node: int | None = None) -> CommContext:
+    """Join the job described by the environment (torchrun's or meshspeed spawn's variables).
+
+    With no launcher and no WORLD_SIZE this is a single process with no process group at all.
+    Timeout: MESHSPEED_TIMEOUT seconds (default 300); debug desync checks: MESHSPEED_DEBUG=1;
+    ranks per node: MESHSPEED_RANKS_PER_NODE, else the launcher's LOCAL_WORLD_SIZE.
+    """
+    timeout_s = timeout_s if timeout_s is not None else _env_float("MESHSPEED_TIMEOUT", DEFAULT_TIMEOUT_S)
+    debug = debug if debug is not None else _env_flag("MESHSPEED_DEBUG")
+    cuda = torch.cuda.is_available()
+    backend = backend or os.environ.get("MESHSPEED_BACKEND") or ("nccl" if cuda else "gloo")
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if launched() else 1
+    rank, store = 0, None
+    if world_size > 1:
+        if not dist.is_initialized():
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # The backend's own timeout sits behind ours so that meshspeed's diagnosis (which
+            # names the missing ranks) fires first; the backend's frees its threads afterwards.
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s + 60))
+        else:  # someone else initialised torch.distributed; adopt their default group
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            store = dist.distributed_c10d._get_default_store()
+            backend = dist.get_backend()
+    if ranks_per_node is None:
+        env = os.environ.get("MESHSPEED_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE")
+        ranks_per_node = int(env) if env else world_size
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ConfigError(
+            f"ranks_per_node={ranks_per_node} does not divide the world size {world_size}; "
+            f"use a divisor such as {max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= max(ranks_per_node, 1))}"
+        )
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return CommContext(rank, world_size, backend, store, timeout_s, debug, ranks_per_node, device)

@@ -1,0 +1,147 @@
+"""Desync detection and timeout diagnosis through the rendezvous store.
+
+The store (the TCPStore every torch.distributed job already has) is a side channel that works
+even when the collective itself would hang. Two protocols use it:
+
+* debug mode (MESHSPEED_DEBUG=1): before each collective every member posts its call signature
+  under `sig/<seq>/<member>` and waits for the others'. Mismatches raise the same DesyncError
+  on every rank (they all read the same signatures); a member that never posts is named.
+* timeout diagnosis (always on): a rank whose collective timed out posts `stuck/<seq>/<member>`
+  and waits a short grace period; members that posted too are waiting in the same collective,
+  the others never arrived. Nothing is written on the fast path.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from meshspeed.comm.errors import CollectiveTimeout, DesyncError
+from meshspeed.comm.trace import describe
+
+if TYPE_CHECKING:
+    from meshspeed.comm.group import Group
+
+
+def _ranks(xs) -> str:
+    return ",".join(str(x) for x in xs)
+
+
+def signature(op: str, shape, dtype: str, key: str = "", splits: dict | None = None) -> dict:
+    """What a rank is about to call. `key` holds what must agree besides op/dtype/shape
+    (reduce op, broadcast source, the gathered dim's sizes...). all_to_all carries its splits
+    instead of a shape, since its shapes legitimately differ between ranks."""
+    sig = {"op": op, "shape": list(shape), "dtype": dtype, "key": key}
+    if splits is not None:
+        sig["splits"] = splits
+    return sig
+
+
+def _agree_key(sig: dict) -> tuple:
+    shape = None if "splits" in sig else tuple(sig["shape"])
+    return (sig["op"], sig["dtype"], shape, sig["key"])
+
+
+def _desc(sig: dict, with_key: bool) -> str:
+    return describe(sig["op"], sig["shape"], sig["dtype"], sig["key"] if with_key else "")
+
+
+def compare(sigs: list[dict], global_ranks: list[int], seq: int) -> str | None:
+    """Return the desync message for these per-member signatures, or None if they agree."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for member, sig in enumerate(sigs):
+        groups[_agree_key(sig)].append(member)
+    if len(groups) > 1:
+        # The majority is "what was expected"; ties go to the group holding the lowest rank.
+        ordered = sorted(groups.values(), key=lambda ms: (-len(ms), ms[0]))
+        ref = ordered[0]
+        descs = {m: _desc(sigs[m], with_key=False) for m in range(len(sigs))}
+        with_key = len(set(descs.values())) == 1  # differ only in the key: show it
+        ref_desc = _desc(sigs[ref[0]], with_key)
+        parts = []
+        for ms in ordered[1:]:
+            who = "rank" if len(ms) == 1 else "ranks"
+            parts.append(
+                f"{who} {_ranks(global_ranks[m] for m in ms)} called {_desc(sigs[ms[0]], with_key)} "
+                f"at seq {seq} where {'rank' if len(ref) == 1 else 'ranks'} "
+                f"{_ranks(global_ranks[m] for m in ref)} called {ref_desc}"
+            )
+        return "; ".join(parts)
+    # Same op everywhere; for all_to_all check that what i sends to j is what j expects from i.
+    if "splits" in sigs[0]:
+        for i, si in enumerate(sigs):
+            for j, sj in enumerate(sigs):
+                sent, expected = si["splits"]["in"][j], sj["splits"]["out"][i]
+                if sent != expected:
+                    return (
+                        f"rank {global_ranks[i]} sends {sent} rows to rank {global_ranks[j]} in "
+                        f"{sigs[0]['op']} at seq {seq} but rank {global_ranks[j]} expects {expected}"
+                    )
+    return None
+
+
+def check(group: "Group", seq: int, sig: dict, timeout_s: float) -> None:
+    """Debug-mode pre-collective check. Raises DesyncError / CollectiveTimeout on every member."""
+    store, me, n = group.store, group.rank, group.size
+    store.set(f"sig/{seq}/{me}", json.dumps(sig))
+    keys = [f"sig/{seq}/{m}" for m in range(n)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception:  # the store raises DistStoreError / RuntimeError on timeout
+        present = [m for m in range(n) if store.check([keys[m]])]
+        raise _timeout_error(group, seq, _desc(sig, False), timeout_s, present, "before it started") from None
+    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+    # Everyone has finished reading seq-2 once they all posted seq-1 (which we waited for
+    # last time), so our own seq-2 key can go: the store stays small on long runs.
+    if seq >= 2:
+        store.delete_key(f"sig/{seq - 2}/{me}")
+    msg = compare([json.loads(v) for v in values], group.ranks, seq)
+    if msg:
+        raise DesyncError(f"meshspeed: desync on group {group.name}: {msg}")
+
+
+def diagnose_timeout(group: "Group", seq: int, desc: str, timeout_s: float) -> CollectiveTimeout:
+    """Build the timeout error after a collective stalled; names who never arrived."""
+    store, me, n = group.store, group.rank, group.size
+    if store is None:
+        return _timeout_error(group, seq, desc, timeout_s, None, "")
+    keys = [f"stuck/{seq}/{m}" for m in range(n)]
+    try:
+        store.set(keys[me], desc)
+        # Members that arrived time out within their arrival skew of each other; wait that long.
+        deadline = time.monotonic() + min(max(1.0, 0.5 * timeout_s), 10.0)
+        present = [me]
+        while time.monotonic() < deadline:
+            present = [m for m in range(n) if store.check([keys[m]])]
+            if len(present) == n:
+                break
+            time.sleep(0.05)
+    except Exception:  # the store itself is gone (rank 0 died): say what we know
+        present = None
+    return _timeout_error(group, seq, desc, timeout_s, present, "")
+
+
+def _timeout_error(group, seq, desc, timeout_s, present, when) -> CollectiveTimeout:
+    gr = group.ranks
+    head = (
+        f"meshspeed: {desc} on group {group.name} at seq {seq} timed out after {timeout_s:g}s "
+        f"{when + ' ' if when else ''}on rank {gr[group.rank]}"
+    )
+    if present is None:
+        who = ": could not reach the store to find which ranks are missing (is rank 0 alive?)"
+    else:
+        missing = [gr[m] for m in range(group.size) if m not in present]
+        if missing:
+            who = (
+                f": {'rank' if len(missing) == 1 else 'ranks'} {_ranks(missing)} did not arrive "
+                f"(ranks {_ranks(gr[m] for m in present)} are waiting in it)"
+            )
+        else:
+            who = ": every rank arrived but the transfer did not finish (network or backend failure?)"
+    tail = group.ctx.recorder.format_tail(5)
+    dump = group.ctx.dump_trace()
+    where = f"\n  full trace: {dump}" if dump else "\n  (set MESHSPEED_TRACE_DIR to dump the full trace)"
+    return CollectiveTimeout(f"{head}{who}\n  last collectives on this rank:\n{tail}{where}")

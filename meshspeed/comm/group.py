@@ -1,0 +1,230 @@
+"""Group: a set of ranks that communicate, with its sequence counter, store and async machinery.
+
+A Group wraps one torch ProcessGroup. It is what every meshspeed collective takes; layers
+receive it explicitly (there is no global "current group"). Every collective goes through
+`Group.issue`, which numbers it, records it in the flight recorder, runs the debug-mode desync
+check, launches it and returns a Handle whose `wait()` enforces the timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from meshspeed.comm import desync
+from meshspeed.comm.errors import CollectiveTimeout
+from meshspeed.comm.trace import FlightRecorder, describe
+
+if TYPE_CHECKING:
+    from meshspeed.comm.context import CommContext
+
+
+class Stall(Exception):
+    """Raised inside an algorithm when a point-to-point transfer passes its deadline."""
+
+
+def _is_timeout(err: BaseException) -> bool:
+    return isinstance(err, (Stall, concurrent.futures.TimeoutError)) or "timed out" in str(err).lower()
+
+
+def wait_work(work, deadline: float) -> None:
+    """Wait for a torch Work or a Future until `deadline` (time.monotonic); raise Stall after."""
+    remaining = max(deadline - time.monotonic(), 0.05)
+    try:
+        if isinstance(work, concurrent.futures.Future):
+            work.result(timeout=remaining)
+        else:
+            work.wait(timedelta(seconds=remaining))
+    except BaseException as err:
+        if _is_timeout(err) and not isinstance(err, CollectiveTimeout):
+            raise Stall() from None
+        raise
+
+
+class _Worker:
+    """One daemon thread running a group's asynchronous algorithm collectives in issue order.
+
+    Daemon (unlike ThreadPoolExecutor's) so that a collective stuck on a dead peer can never
+    keep the interpreter from exiting.
+    """
+
+    def __init__(self, name: str):
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self):
+        while True:
+            fut, fn = self._q.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as err:  # delivered to whoever waits on the handle
+                    fut.set_exception(err)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((fut, fn))
+        return fut
+
+
+class Handle:
+    """Returned by a collective called with async_op=True. `wait()` returns the result."""
+
+    def __init__(self, group: "Group", seq: int, entry: dict | None, desc: str, pending: list, finish):
+        self._group, self._seq, self._entry, self._desc = group, seq, entry, desc
+        self._pending, self._finish = pending, finish
+        self._issued = time.monotonic()
+        self._done = False
+        self._result = None
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        for w in self._pending:
+            if not (w.done() if isinstance(w, concurrent.futures.Future) else w.is_completed()):
+                return False
+        return True
+
+    def wait(self):
+        if self._done:
+            return self._result
+        deadline = self._issued + self._group.ctx.timeout_s
+        try:
+            for w in self._pending:
+                wait_work(w, deadline)
+        except Stall:
+            FlightRecorder.finish(self._entry, "timed_out")
+            raise desync.diagnose_timeout(self._group, self._seq, self._desc, self._group.ctx.timeout_s) from None
+        except BaseException:
+            FlightRecorder.finish(self._entry, "failed")
+            raise
+        self._result = self._finish() if self._finish else None
+        self._done = True
+        FlightRecorder.finish(self._entry)
+        return self._result
+
+
+class Done(Handle):
+    """A handle for work that already finished (single-member groups, synchronous algorithms)."""
+
+    def __init__(self, result=None):
+        self._done, self._result = True, result
+
+
+class Group:
+    """Members (global ranks, in group order), this rank's index, and the means to talk to them."""
+
+    def __init__(self, ctx: "CommContext", pg, ranks: list[int], name: str):
+        self.ctx = ctx
+        self.pg = pg
+        self.ranks = list(ranks)
+        self.size = len(ranks)
+        self.rank = self.ranks.index(ctx.rank)
+        self.name = name
+        self.nodes = [ctx.node_of(r) for r in self.ranks]  # node id of each member
+        self.seq = 0
+        self.store = ctx.prefixed_store(f"meshspeed/{name}/") if self.size > 1 else None
+        self.backend = ctx.backend
+        self._worker: _Worker | None = None
+        self._choices: dict = {}  # memo of the cost model's algorithm choice per (op, bytes)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, ranks={self.ranks}, rank={self.rank})"
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    def worker(self) -> _Worker:
+        if self._worker is None:
+            self._worker = _Worker(f"meshspeed-{self.name}")
+        return self._worker
+
+    def issue(
+        self,
+        sig: dict,
+        algo: str,
+        nbytes: int,
+        start: Callable[[float, int], list],
+        finish: Callable[[], Any] | None,
+        async_op: bool,
+    ):
+        """Number, record, check and launch one collective.
+
+        `start(deadline, seq)` launches the transfers and returns what to wait on (torch Works
+        or a Future); `finish()` builds the result once they completed.
+        """
+        self.seq += 1
+        seq = self.seq
+        ctx = self.ctx
+        entry = ctx.recorder.record(seq, self.name, sig["op"], sig["shape"], sig["dtype"], algo, nbytes)
+        desc = describe(sig["op"], sig["shape"], sig["dtype"])
+        if ctx.debug:
+            try:
+                desync.check(self, seq, sig, ctx.timeout_s)
+            except Exception:
+                FlightRecorder.finish(entry, "failed")
+                raise
+        try:
+            pending = start(time.monotonic() + ctx.timeout_s, seq)
+        except Stall:
+            FlightRecorder.finish(entry, "timed_out")
+            raise desync.diagnose_timeout(self, seq, desc, ctx.timeout_s) from None
+        except BaseException:
+            FlightRecorder.finish(entry, "failed")
+            raise
+        handle = Handle(self, seq, entry, desc, pending, finish)
+        return handle if async_op else handle.wait()
+
+    def p2p_deadline(self) -> float:
+        return time.monotonic() + self.ctx.timeout_s
+
+    def p2p_timeout(self, what: str, peer: int) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"meshspeed: {what} with rank {self.ranks[peer]} on group {self.name} timed out after "
+            f"{self.ctx.timeout_s:g}s on rank {self.global_rank}: rank {self.ranks[peer]} never posted "
+            f"the matching transfer\n  last collectives on this rank:\n{self.ctx.recorder.format_tail(5)}"
+        )
+
+
+class Lane:
+    """The point-to-point exchanges of one algorithm run, each with its own tag.
+
+    Tags carry the collective's sequence number so that algorithms running concurrently on
+    the same group (one on the async worker, one on the caller's thread) never match each
+    other's messages. Send and receive of a step go out as one batch: NCCL deadlocks a ring
+    whose sends and receives are posted separately.
+    """
+
+    _BASE = 1 << 28  # above any tag a user is likely to pick for plain send/recv
+
+    def __init__(self, group: Group, seq: int, deadline: float):
+        self.group, self.deadline = group, deadline
+        self._tag = self._BASE | ((seq & 0xFFFF) << 12)
+        self._step = 0
+
+    def skip(self, steps: int) -> None:
+        """Advance the tag counter by `steps` a peer performs while this rank sits them out."""
+        self._step += steps
+
+    def exchange(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None):
+        """Send `send` to member `dst` and receive into `recv` from member `src` (either optional)."""
+        g = self.group
+        tag = self._tag | (self._step & 0xFFF)
+        self._step += 1
+        ops = []
+        if send is not None and send.numel():
+            ops.append(dist.P2POp(dist.isend, send, g.ranks[dst], g.pg, tag))
+        if recv is not None and recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, g.ranks[src], g.pg, tag))
+        if not ops:
+            return
+        for work in dist.batch_isend_irecv(ops):
+            wait_work(work, self.deadline)

@@ -1,0 +1,147 @@
+"""Run a test function on N gloo ranks, reusing one pool of worker processes per world size.
+
+Spawning processes and forming a gloo group costs seconds; hundreds of distributed checks
+would take minutes if each paid it. A pool is started on first use for a world size and kept
+for the session. Each job has a timeout: a hang fails the test (and the pool is replaced)
+instead of stalling CI. A test function is a module-level `fn(ctx, *args)`; it runs on every
+rank with that rank's CommContext and its return values come back as a list indexed by rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+
+from meshspeed.comm.launch import free_port, worker_env
+
+# Collectives inside tests time out well before the job does, so a planted hang surfaces as
+# meshspeed's own diagnosis; the job timeout is the backstop for everything else.
+TEST_COMM_TIMEOUT_S = 20.0
+DEFAULT_JOB_TIMEOUT_S = 90.0
+
+
+def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
+    os.environ.update(worker_env(rank, ws, port))
+    os.environ["MESHSPEED_LINK_PARAMS"] = "none"  # built-in defaults: the same choices everywhere
+    os.environ.pop("MESHSPEED_ALGO", None)
+    os.environ.pop("MESHSPEED_DEBUG", None)
+    import torch
+
+    from meshspeed import comm
+
+    torch.set_num_threads(1)
+    ctx = comm.init("gloo", timeout_s=TEST_COMM_TIMEOUT_S)
+    outq.put((rank, "ready", None))
+    while True:
+        job = inq.get()
+        if job is None:
+            break
+        fn, args, overrides = job
+        saved = {k: getattr(ctx, k) for k in overrides}
+        try:
+            for k, v in overrides.items():
+                setattr(ctx, k, v)
+            outq.put((rank, "ok", fn(ctx, *args)))
+        except BaseException:  # noqa: BLE001 - the parent turns this into the test failure
+            outq.put((rank, "err", traceback.format_exc()))
+        finally:
+            for k, v in saved.items():
+                setattr(ctx, k, v)
+    ctx.close()
+
+
+class Pool:
+    def __init__(self, ws: int):
+        mctx = mp.get_context("spawn")
+        self.ws = ws
+        self.outq = mctx.Queue()
+        self.inqs = [mctx.Queue() for _ in range(ws)]
+        port = free_port()
+        self.procs = [mctx.Process(target=_worker, args=(r, ws, port, self.inqs[r], self.outq), daemon=True)
+                      for r in range(ws)]
+        for p in self.procs:
+            p.start()
+        self._collect(60.0, "start")
+
+    def _collect(self, timeout: float, what: str) -> list:
+        results: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        first_err = None
+        while len(results) < self.ws:
+            # Once one rank failed, the rest get a short grace: they are often stuck in a
+            # collective the failed rank will never join.
+            limit = min(deadline, first_err + 5.0) if first_err else deadline
+            try:
+                rank, status, value = self.outq.get(timeout=max(0.01, limit - time.monotonic()))
+            except queue.Empty:
+                break
+            results[rank] = (status, value)
+            if status == "err" and first_err is None:
+                first_err = time.monotonic()
+        missing = [r for r in range(self.ws) if r not in results]
+        errs = {r: v for r, (s, v) in results.items() if s == "err"}
+        if missing or errs:
+            self.kill()
+            lines = []
+            seen = set()
+            for r, tb in sorted(errs.items()):
+                last = tb.strip().splitlines()[-1]
+                if last in seen:
+                    lines.append(f"--- rank {r}: same error: {last}")
+                    continue
+                seen.add(last)
+                lines.append(f"--- rank {r}:\n{tb}")
+            if missing:
+                lines.append(f"--- ranks {missing} did not finish {what} within {timeout:g}s (pool replaced)")
+            raise AssertionError("\n".join(lines))
+        return [results[r][1] for r in range(self.ws)]
+
+    def run(self, fn, args: tuple, overrides: dict, timeout: float) -> list:
+        for q in self.inqs:
+            q.put((fn, args, overrides))
+        return self._collect(timeout, fn.__name__)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        _POOLS.pop(self.ws, None)
+
+
+_POOLS: dict[int, Pool] = {}
+
+
+def run(ws: int, fn, *args, timeout: float = DEFAULT_JOB_TIMEOUT_S, fresh_after: bool = False, **overrides) -> list:
+    """Run `fn(ctx, *args)` on `ws` ranks; returns the per-rank results.
+
+    `overrides` set CommContext attributes for this job only (debug=True, timeout_s=2, ...).
+    `fresh_after` discards the pool afterwards (for tests that leave a group mid-collective).
+    """
+    pool = _POOLS.get(ws)
+    if pool is None or not pool.alive():
+        pool = _POOLS[ws] = Pool(ws)
+    try:
+        return pool.run(fn, args, overrides, timeout)
+    finally:
+        if fresh_after:
+            pool.kill()
+
+
+@atexit.register
+def _shutdown() -> None:
+    for pool in list(_POOLS.values()):
+        for q in pool.inqs:
+            q.put(None)
+        for p in pool.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
