@@ -169,7 +169,9 @@ def terms(op: str, algo: str, p: int, n: float, nodes: list[int], backend: str) 
     elif algo == "ring":  # all_gather / reduce_scatter
         add(link, p - 1, frac * n, frac * n if op == "reduce_scatter" else 0.0)
     elif algo == "bruck":
-        add(link, lg, frac * n, frac * n if op == "reduce_scatter" else 0.0)
+        # Bruck moves blocks through local copies the ring avoids (the concatenated sends,
+        # the final rotation): charged at γ, the per-byte local-work rate.
+        add(link, lg, frac * n, 2 * frac * n if op == "reduce_scatter" else n)
     elif algo == "one_to_all":  # root sends the whole buffer to each peer in turn
         add(link, p - 1, (p - 1) * n)
     elif algo == "pipelined_ring":
