@@ -14,6 +14,7 @@ import sys
 
 SUBCOMMANDS = [
     "meshspeed.commands.bench",
+    "meshspeed.commands.pipeline",
 ]
 
 

@@ -71,10 +71,18 @@ def test_fit_recovers_the_parameters_that_generated_the_rows():
                 t = cm.predict(op, algo, nbytes, ONE_NODE4, "gloo", truth)
                 rows.append({"op": op, "algo": algo, "bytes": nbytes, "time_us": t * 1e6})
     fitted = cm.fit(rows, ONE_NODE4, "gloo")
-    for key in ("p2p.intra", "native.intra"):
-        for got, want in zip(fitted.values[key], truth.values[key]):
-            assert got == pytest.approx(want, rel=1e-6), key
-    assert fitted.fitted["p2p"]["median_rel_err"] < 1e-9
+    for got, want in zip(fitted.values["p2p.intra"], truth.values["p2p.intra"]):
+        assert got == pytest.approx(want, rel=1e-6)
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        # per op, β and γ are inseparable: α is recovered exactly, β absorbs γ
+        assert fitted.values[f"native:{op}.intra"][0] == pytest.approx(truth.values["native.intra"][0], rel=1e-6)
+        for nbytes in (1 << 12, 1 << 24):
+            assert cm.predict(op, "native", nbytes, ONE_NODE4, "gloo", fitted) == pytest.approx(
+                cm.predict(op, "native", nbytes, ONE_NODE4, "gloo", truth), rel=1e-6)
+    assert all(v["median_rel_err"] < 1e-9 for v in fitted.fitted.values())
+    # a per-op native fit overrides the family's values in predictions
+    fitted.values["native:all_reduce.intra"] = (1.0, 0.0, 0.0)
+    assert cm.predict("all_reduce", "native", 10, ONE_NODE4, "gloo", fitted) == pytest.approx(6.0)
 
 
 def test_save_and_load_round_trip(tmp_path, monkeypatch):

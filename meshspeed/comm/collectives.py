@@ -128,10 +128,22 @@ def _to_front(t: torch.Tensor, dim: int) -> torch.Tensor:
     return (t if dim == 0 else t.movedim(dim, 0)).contiguous()
 
 
+def _out_buffer(out: torch.Tensor | None, shape: tuple, like: torch.Tensor, what: str) -> torch.Tensor:
+    """A caller-provided output (reused across calls: on CPU a fresh multi-MB buffer costs page
+    faults on every call) or a new one."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or not out.is_contiguous():
+        raise ConfigError(f"{what} out= must be a contiguous {dtype_name(like.dtype)} tensor of shape {list(shape)}, "
+                          f"got {dtype_name(out.dtype)} {list(out.shape)}")
+    return out
+
+
 def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, *, sizes: list[int] | None = None,
-               async_op: bool = False, algo: str | None = None):
+               out: torch.Tensor | None = None, async_op: bool = False, algo: str | None = None):
     """Concatenate every member's tensor along `dim` (member order). `sizes` gives each
-    member's extent along `dim` when they differ (every member passes the same list)."""
+    member's extent along `dim` when they differ (every member passes the same list).
+    `out` (dim 0 only) receives the result instead of a new tensor."""
     dim = dim % max(tensor.dim(), 1)
     if group.size == 1:
         return Done(tensor) if async_op else tensor
@@ -142,7 +154,9 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, *, sizes: list[
     uneven = len(set(sizes)) > 1
     x = _to_front(tensor, dim)  # [n_dim, ...rest]
     inner = math.prod(x.shape[1:])
-    out = torch.empty((sum(sizes),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    if out is not None and dim != 0:
+        raise ConfigError("all_gather out= is supported for dim=0 only")
+    out = _out_buffer(out, (sum(sizes),) + tuple(x.shape[1:]), x, "all_gather")
     algo = select_algo(group, "all_gather", _nbytes(out), algo, uneven)
 
     def finish():
@@ -172,9 +186,10 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, *, sizes: list[
 
 
 def reduce_scatter(tensor: torch.Tensor, group: Group, op: str = "sum", dim: int = 0, *,
-                   async_op: bool = False, algo: str | None = None):
+                   out: torch.Tensor | None = None, async_op: bool = False, algo: str | None = None):
     """Reduce across the group, member i keeping chunk i along `dim` (tensor_split chunks, so
-    the extent need not divide the group size: the first extent % size members get one more)."""
+    the extent need not divide the group size: the first extent % size members get one more).
+    `out` (dim 0 only) receives the result instead of a new tensor."""
     _check_op(op, tensor.dtype)
     dim = dim % max(tensor.dim(), 1)
     if group.size == 1:
@@ -185,25 +200,30 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, op: str = "sum", dim: int
     algo = select_algo(group, "reduce_scatter", _nbytes(tensor), algo, uneven)
     offs = alg.bounds(n, group.size)
     me = group.rank
+    if out is not None and dim != 0:
+        raise ConfigError("reduce_scatter out= is supported for dim=0 only")
+    shape = (offs[me + 1] - offs[me],) + tuple(x.shape[1:])
+    dest = _out_buffer(out, shape, x, "reduce_scatter") if out is not None else None
     result: list[torch.Tensor] = []
 
     def finish():
         y = result[0]
+        if dest is not None and y is not dest:
+            y = dest.copy_(y)
         if op == "avg":
             y.div_(group.size)
         return y if dim == 0 else y.movedim(0, dim).contiguous()
 
     if algo == "native":
-        out = torch.empty((n // group.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        result.append(out)
+        res = dest if dest is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+        result.append(res)
         torch_op = _TORCH_OP.get(op, dist.ReduceOp.SUM)
-        start = lambda deadline, seq: [_reduce_scatter_t(out, x, op=torch_op, group=group.pg, async_op=True)]  # noqa: E731
+        start = lambda deadline, seq: [_reduce_scatter_t(res, x, op=torch_op, group=group.pg, async_op=True)]  # noqa: E731
     else:
         inner = math.prod(x.shape[1:])
         parts = alg.chunks(x.view(-1), [o * inner for o in offs])
         members = list(range(group.size))
         fn = alg.ring_reduce_scatter if algo == "ring" else alg.bruck_reduce_scatter
-        shape = (offs[me + 1] - offs[me],) + tuple(x.shape[1:])
 
         def run(lane):
             result.append(fn(lane, members, me, parts, op).view(shape))
@@ -214,7 +234,8 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, op: str = "sum", dim: int
 
 
 def all_to_all(tensor: torch.Tensor, group: Group, in_splits: list[int] | None = None,
-               out_splits: list[int] | None = None, *, async_op: bool = False, algo: str | None = None):
+               out_splits: list[int] | None = None, *, out: torch.Tensor | None = None,
+               async_op: bool = False, algo: str | None = None):
     """Exchange rows (dim 0): rows in_splits[j] go to member j; out_splits[j] arrive from j.
     Without splits the rows are divided equally (dim 0 must divide the group size)."""
     p = group.size
@@ -232,10 +253,14 @@ def all_to_all(tensor: torch.Tensor, group: Group, in_splits: list[int] | None =
     if p == 1:
         return Done(tensor) if async_op else tensor
     x = tensor.contiguous()
-    out = torch.empty((sum(out_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    out = _out_buffer(out, (sum(out_splits),) + tuple(x.shape[1:]), x, "all_to_all")
     algo = select_algo(group, "all_to_all", _nbytes(x), algo)
     if algo == "native":
-        start = lambda deadline, seq: [dist.all_to_all_single(out, x, out_splits, in_splits, group=group.pg, async_op=True)]  # noqa: E731
+        # Equal splits go without split lists: backends then take their all-to-all path
+        # rather than the slower all-to-all-v one.
+        even = len(set(in_splits)) == 1 and len(set(out_splits)) == 1
+        osz, isz = (None, None) if even else (out_splits, in_splits)
+        start = lambda deadline, seq: [dist.all_to_all_single(out, x, osz, isz, group=group.pg, async_op=True)]  # noqa: E731
     else:
         send, recv, members = list(x.split(in_splits)), list(out.split(out_splits)), list(range(p))
         start = _runner(group, async_op, lambda lane: alg.pairwise_all_to_all(lane, members, group.rank, send, recv))

@@ -53,10 +53,11 @@ class CommContext:
     """Per-process communication state. Use `init()` to make one."""
 
     def __init__(self, rank: int, world_size: int, backend: str, store, timeout_s: float, debug: bool,
-                 ranks_per_node: int, device: torch.device):
+                 ranks_per_node: int, device: torch.device, backend_timeout_s: float | None = None):
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.store = store
         self.timeout_s = timeout_s
+        self.backend_timeout_s = backend_timeout_s  # the process group's own timeout, if we set it
         self.debug = debug
         self.ranks_per_node = ranks_per_node
         self.device = device
@@ -69,6 +70,11 @@ class CommContext:
         pg = dist.group.WORLD if world_size > 1 else None
         self.world = Group(self, pg, list(range(world_size)), "world")
         self._groups[("world", tuple(range(world_size)))] = self.world
+
+    @property
+    def plain_wait(self) -> bool:
+        """The process group enforces our deadline itself (see group.wait_work)."""
+        return self.backend_timeout_s is not None and self.timeout_s >= self.backend_timeout_s
 
     # -- topology -------------------------------------------------------------------------
     def node_of(self, rank: int) -> int:
@@ -138,8 +144,19 @@ class CommContext:
         return cost_model.LinkParams.from_dict(json.loads(self.store.get("meshspeed/link_params")))
 
     def close(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the job cleanly. Every reference to the process groups is dropped before they
+        are destroyed: a ProcessGroupGloo that outlives destroy_process_group is torn down at
+        interpreter exit instead, where its threads can abort the process ("terminate called
+        without an active exception")."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        dist.barrier()  # nobody tears down connections a peer is still using
+        for group in self._groups.values():
+            group.pg = None
+        self._groups.clear()
+        self._meshes.clear()
+        self.world.pg = None
+        dist.destroy_process_group()
 
 
 def launched() -> bool:
@@ -160,16 +177,18 @@ def init(backend: str | None = None, *, timeout_s: float | None = None, debug: b
     cuda = torch.cuda.is_available()
     backend = backend or os.environ.get("MESHSPEED_BACKEND") or ("nccl" if cuda else "gloo")
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if launched() else 1
-    rank, store = 0, None
+    rank, store, backend_timeout_s = 0, None, None
     if world_size > 1:
         if not dist.is_initialized():
             store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            # The backend's own timeout sits behind ours so that meshspeed's diagnosis (which
-            # names the missing ranks) fires first; the backend's frees its threads afterwards.
+            # The backend enforces the same timeout as meshspeed, so the fast path can wait
+            # without one; either way the timeout is diagnosed by meshspeed (names the
+            # missing ranks). A context asking for a shorter timeout later waits explicitly.
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout_s + 60))
+                                    timeout=timedelta(seconds=timeout_s))
+            backend_timeout_s = timeout_s
         else:  # someone else initialised torch.distributed; adopt their default group
             rank, world_size = dist.get_rank(), dist.get_world_size()
             store = dist.distributed_c10d._get_default_store()
@@ -183,4 +202,4 @@ def init(backend: str | None = None, *, timeout_s: float | None = None, debug: b
             f"use a divisor such as {max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= max(ranks_per_node, 1))}"
         )
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return CommContext(rank, world_size, backend, store, timeout_s, debug, ranks_per_node, device)
+    return CommContext(rank, world_size, backend, store, timeout_s, debug, ranks_per_node, device, backend_timeout_s)

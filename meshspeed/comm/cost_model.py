@@ -5,9 +5,10 @@ per byte (s/B) and γ the local reduction time per byte (s/B): the formulas NCCL
 publish (Thakur, Rabenseifner & Gropp 2005 for ring / halving-doubling / Bruck). Because
 every formula is linear in (α, β, γ), fitting them to benchmark rows is a least-squares solve.
 
-Two parameter sets per link class, because they differ by an order of magnitude in α:
-"native" (the backend's own C++ collectives) and "p2p" (meshspeed's algorithms, which issue
-one Python-level send/recv pair per step). Link classes: "intra" (ranks on one node) and
+Two parameter families per link class, because they differ by an order of magnitude in α:
+"native" (the backend's own C++ collectives; the benchmark also fits each native op on its
+own, `native:<op>`) and "p2p" (meshspeed's algorithms, which issue one Python-level
+send/recv pair per step, all sharing one set). Link classes: "intra" (ranks on one node) and
 "inter" (across nodes). `n` is the bytes of the full buffer: the tensor for all_reduce and
 broadcast, the output for all_gather, the input for reduce_scatter and all_to_all.
 """
@@ -196,12 +197,18 @@ def _native_shape(op: str, backend: str) -> str:
     return "ring"
 
 
+def _link(params: LinkParams, fam: str, cls: str, op: str) -> tuple[float, float, float]:
+    """Native ops are separate C++ implementations with their own constants, so a per-op fit
+    (`native:all_reduce.intra`) wins over the family's when the benchmark produced one."""
+    return params.values.get(f"{fam}:{op}.{cls}") or params.values[f"{fam}.{cls}"]
+
+
 def predict(op: str, algo: str, nbytes: float, nodes: list[int], backend: str, params: LinkParams) -> float:
     """Predicted seconds for one call of `op` with `algo` on a group whose members sit on `nodes`."""
     total = 0.0
     for key, coef in terms(op, algo, len(nodes), nbytes, nodes, backend).items():
         fam, cls, var = key.split(".")
-        total += coef * params.values[f"{fam}.{cls}"][VARS.index(var)]
+        total += coef * _link(params, fam, cls, op)[VARS.index(var)]
     return total
 
 
@@ -251,22 +258,32 @@ def fit(rows: list[dict], nodes: list[int], backend: str, base: LinkParams | Non
     ones. Parameter sets with no informative row keep their previous values.
     """
     params = LinkParams(dict((base or LinkParams.defaults(backend)).values), "fitted")
-    for fam in ("native", "p2p"):
-        sel = [r for r in rows if (r["algo"] == "native") == (fam == "native") and r["time_us"] > 0]
+    native_ops = sorted({r["op"] for r in rows if r["algo"] == "native"})
+    sets = [("p2p", None)] + [("native", op) for op in native_ops]
+    for fam, only_op in sets:
+        sel = [r for r in rows if (r["algo"] == "native") == (fam == "native") and r["time_us"] > 0
+               and (only_op is None or r["op"] == only_op)]
         if not sel:
             continue
         coefs = [terms(r["op"], r["algo"], len(nodes), r["bytes"], nodes, backend) for r in sel]
+        if only_op is not None:
+            # One op alone cannot tell β from γ (both scale with n in every row): fit an
+            # effective β that includes the reduction, and zero γ for this per-op set.
+            coefs = [{k: v for k, v in c.items() if not k.endswith(".gamma")} for c in coefs]
         keys = sorted({k for c in coefs for k in c})
         # Scale columns to O(1) so lstsq is well conditioned (α ~ 1e-5 s, β ~ 1e-10 s/B).
         scale = {k: max(abs(c.get(k, 0.0)) for c in coefs) or 1.0 for k in keys}
         a = [[c.get(k, 0.0) / scale[k] / (r["time_us"] * 1e-6) for k in keys] for c, r in zip(coefs, sel)]
         sol = _nnls(a, [1.0] * len(sel))
+        name = fam if only_op is None else f"{fam}:{only_op}"
         for k, v in zip(keys, sol):
             f, cls, var = k.split(".")
-            cur = list(params.values[f"{f}.{cls}"])
+            cur = list(params.values.get(f"{name}.{cls}") or params.values[f"{f}.{cls}"])
+            if only_op is not None:
+                cur[VARS.index("gamma")] = 0.0
             cur[VARS.index(var)] = v / scale[k]
-            params.values[f"{f}.{cls}"] = tuple(cur)
+            params.values[f"{name}.{cls}"] = tuple(cur)
         preds = [predict(r["op"], r["algo"], r["bytes"], nodes, backend, params) * 1e6 for r in sel]
         errs = sorted(abs(pr - r["time_us"]) / r["time_us"] for pr, r in zip(preds, sel))
-        params.fitted[fam] = {"rows": len(sel), "median_rel_err": errs[len(errs) // 2]}
+        params.fitted[name] = {"rows": len(sel), "median_rel_err": errs[len(errs) // 2]}
     return params

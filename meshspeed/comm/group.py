@@ -34,14 +34,20 @@ def _is_timeout(err: BaseException) -> bool:
     return isinstance(err, (Stall, concurrent.futures.TimeoutError)) or "timed out" in str(err).lower()
 
 
-def wait_work(work, deadline: float) -> None:
-    """Wait for a torch Work or a Future until `deadline` (time.monotonic); raise Stall after."""
-    remaining = max(deadline - time.monotonic(), 0.05)
+def wait_work(work, deadline: float, plain: bool = False) -> None:
+    """Wait for a torch Work or a Future until `deadline` (time.monotonic); raise Stall after.
+
+    `plain`: the backend's own timeout equals ours, so let it enforce the deadline — a plain
+    `wait()` costs ~30 µs less per call than `wait(timeout)` on gloo, and its "timed out"
+    error is diagnosed exactly like ours.
+    """
     try:
         if isinstance(work, concurrent.futures.Future):
-            work.result(timeout=remaining)
+            work.result(timeout=max(deadline - time.monotonic(), 0.05))
+        elif plain:
+            work.wait()
         else:
-            work.wait(timedelta(seconds=remaining))
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.05)))
     except BaseException as err:
         if _is_timeout(err) and not isinstance(err, CollectiveTimeout):
             raise Stall() from None
@@ -77,12 +83,15 @@ class _Worker:
 class Handle:
     """Returned by a collective called with async_op=True. `wait()` returns the result."""
 
-    def __init__(self, group: "Group", seq: int, entry: dict | None, desc: str, pending: list, finish):
-        self._group, self._seq, self._entry, self._desc = group, seq, entry, desc
+    def __init__(self, group: "Group", seq: int, entry: dict | None, sig: dict, pending: list, finish):
+        self._group, self._seq, self._entry, self._sig = group, seq, entry, sig
         self._pending, self._finish = pending, finish
         self._issued = time.monotonic()
         self._done = False
         self._result = None
+
+    def _desc(self) -> str:
+        return describe(self._sig["op"], self._sig["shape"], self._sig["dtype"])
 
     def is_completed(self) -> bool:
         if self._done:
@@ -95,13 +104,14 @@ class Handle:
     def wait(self):
         if self._done:
             return self._result
-        deadline = self._issued + self._group.ctx.timeout_s
+        ctx = self._group.ctx
+        deadline = self._issued + ctx.timeout_s
         try:
             for w in self._pending:
-                wait_work(w, deadline)
+                wait_work(w, deadline, ctx.plain_wait)
         except Stall:
             FlightRecorder.finish(self._entry, "timed_out")
-            raise desync.diagnose_timeout(self._group, self._seq, self._desc, self._group.ctx.timeout_s) from None
+            raise desync.diagnose_timeout(self._group, self._seq, self._desc(), ctx.timeout_s) from None
         except BaseException:
             FlightRecorder.finish(self._entry, "failed")
             raise
@@ -165,7 +175,6 @@ class Group:
         seq = self.seq
         ctx = self.ctx
         entry = ctx.recorder.record(seq, self.name, sig["op"], sig["shape"], sig["dtype"], algo, nbytes)
-        desc = describe(sig["op"], sig["shape"], sig["dtype"])
         if ctx.debug:
             try:
                 desync.check(self, seq, sig, ctx.timeout_s)
@@ -176,11 +185,12 @@ class Group:
             pending = start(time.monotonic() + ctx.timeout_s, seq)
         except Stall:
             FlightRecorder.finish(entry, "timed_out")
+            desc = describe(sig["op"], sig["shape"], sig["dtype"])
             raise desync.diagnose_timeout(self, seq, desc, ctx.timeout_s) from None
         except BaseException:
             FlightRecorder.finish(entry, "failed")
             raise
-        handle = Handle(self, seq, entry, desc, pending, finish)
+        handle = Handle(self, seq, entry, sig, pending, finish)
         return handle if async_op else handle.wait()
 
     def p2p_deadline(self) -> float:
@@ -226,5 +236,6 @@ class Lane:
             ops.append(dist.P2POp(dist.irecv, recv, g.ranks[src], g.pg, tag))
         if not ops:
             return
+        plain = g.ctx.plain_wait
         for work in dist.batch_isend_irecv(ops):
-            wait_work(work, self.deadline)
+            wait_work(work, self.deadline, plain)

@@ -1,0 +1,198 @@
+"""ModelConfig: the shape of a Llama-style dense or mixture-of-experts decoder.
+
+One dataclass covers both: `n_experts == 0` is a dense model, `n_experts > 0` turns the
+feed-forward of some layers into a routed MoE. Derived sizes (head_dim, the resolved FFN
+width...) are properties, not fields, so `dataclasses.replace(cfg, dim=...)` never leaves a
+stale value behind.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+ROUTER_SOFTMAX_CHOICES = ("after_topk", "before_topk")
+MOE_IMPL_CHOICES = ("auto", "grouped_mm", "loop")
+
+
+def _divisors(n: int, limit: int = 10) -> str:
+    """The first divisors of n as '1, 2, 4, ...' for error hints."""
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    text = ", ".join(str(d) for d in divs[:limit])
+    return text + (", ..." if len(divs) > limit else "")
+
+
+def llama_ffn_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """SwiGLU width the way Meta's Llama code derives it.
+
+    2/3 of 4*dim keeps the parameter count of a 4*dim GELU MLP (SwiGLU has three matrices);
+    the multiplier and the rounding up to `multiple_of` give 14336 for Llama-3-8B and 28672
+    for Llama-3-70B.
+    """
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-style decoder, dense or MoE. Validated on construction."""
+
+    dim: int = 128
+    """Model (residual stream) width."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads; must divide `dim`, and dim / n_heads (the head dim) must be even for RoPE."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; must divide `n_heads`. None = n_heads (MHA)."""
+    vocab_size: int = 256
+    """Vocabulary size (256 = raw bytes)."""
+    ffn_hidden: int | None = None
+    """Dense SwiGLU width. None = derived from `multiple_of` and `ffn_dim_multiplier` as Llama-3."""
+    multiple_of: int = 256
+    """Round the derived SwiGLU width up to a multiple of this (ignored when ffn_hidden is set)."""
+    ffn_dim_multiplier: float | None = None
+    """Scale on the derived SwiGLU width (Llama-3: 1.3). None = no scaling."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (Llama-3: 500000, Mixtral: 1e6)."""
+    max_seq_len: int = 256
+    """Longest sequence the precomputed RoPE tables cover."""
+    tie_embeddings: bool = False
+    """Share the output projection with the token embedding."""
+    init_std: float = 0.02
+    """Std of the normal init of embeddings and linears; output projections (wo, w2) use
+    init_std / sqrt(2 * n_layers) as in GPT-2 / Megatron."""
+
+    # --- mixture of experts -------------------------------------------------------------
+    n_experts: int = 0
+    """Routed experts per MoE layer; 0 = dense model."""
+    top_k: int = 2
+    """Experts each token is sent to; 1 <= top_k <= n_experts (ignored when dense)."""
+    n_shared_experts: int = 0
+    """Always-on experts, fused into one SwiGLU of width n_shared_experts * moe_ffn_hidden."""
+    moe_ffn_hidden: int | None = None
+    """Width of each expert's SwiGLU. None = the dense FFN width."""
+    router_softmax: str = "after_topk"
+    """'after_topk': softmax over the k chosen logits (Mixtral; weights sum to 1).
+    'before_topk': softmax over all experts, then keep the k largest (Switch, DeepSeek-V2)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss n_experts * sum_e f_e * P_e in `aux_loss()`."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss mean(logsumexp(logits)^2) in `aux_loss()` (ST-MoE)."""
+    moe_every: int = 1
+    """Among layers >= first_k_dense, every moe_every-th layer is MoE (1 = all, 2 = alternate)."""
+    first_k_dense: int = 0
+    """The first this-many layers stay dense (DeepSeek keeps early layers dense)."""
+    moe_impl: str = "auto"
+    """Expert compute: 'auto' = torch._grouped_mm on CUDA bf16 (sm90+) when torch has it, else a
+    loop over experts; 'grouped_mm' forces the grouped matmul; 'loop' forces the loop."""
+
+    def __post_init__(self) -> None:
+        # TOML and CLI overrides arrive as loose types; a bool is an int in Python, so reject it.
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len",
+                     "top_k", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use an integer >= 1")
+        for name in ("n_experts", "n_shared_experts", "first_k_dense"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use an integer >= 0")
+        for name in ("n_kv_heads", "ffn_hidden", "moe_ffn_hidden"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(
+                    f"ModelConfig.{name}={value!r} is invalid; use an integer >= 1 or None")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use a number > 0")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use a number >= 0")
+        if self.ffn_dim_multiplier is not None and not (
+                isinstance(self.ffn_dim_multiplier, (int, float)) and self.ffn_dim_multiplier > 0):
+            raise ValueError(f"ModelConfig.ffn_dim_multiplier={self.ffn_dim_multiplier!r} is "
+                             "invalid; use a number > 0 (Llama-3 uses 1.3) or None")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings={self.tie_embeddings!r} is invalid; "
+                             "use true or false")
+
+        if self.dim % self.n_heads:
+            raise ValueError(f"ModelConfig.n_heads={self.n_heads} does not divide dim={self.dim}; "
+                             f"choose n_heads among {_divisors(self.dim)}")
+        if self.head_dim % 2:
+            even = [h for h in range(1, self.dim + 1)
+                    if self.dim % h == 0 and (self.dim // h) % 2 == 0][:10]
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} gives head_dim={self.head_dim} for "
+                f"dim={self.dim}, which is odd; RoPE rotates pairs of channels, so choose n_heads "
+                f"among {', '.join(map(str, even)) or '(none: make dim even)'}")
+        if self.n_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                f"choose n_kv_heads among {_divisors(self.n_heads)}")
+        if self.router_softmax not in ROUTER_SOFTMAX_CHOICES:
+            raise ValueError(f"ModelConfig.router_softmax={self.router_softmax!r} is invalid; "
+                             f"choose one of {', '.join(ROUTER_SOFTMAX_CHOICES)}")
+        if self.moe_impl not in MOE_IMPL_CHOICES:
+            raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r} is invalid; "
+                             f"choose one of {', '.join(MOE_IMPL_CHOICES)}")
+        if self.n_experts > 0:
+            if self.top_k > self.n_experts:
+                raise ValueError(f"ModelConfig.top_k={self.top_k} exceeds n_experts="
+                                 f"{self.n_experts}; choose top_k between 1 and {self.n_experts}")
+            if self.first_k_dense > self.n_layers:
+                raise ValueError(
+                    f"ModelConfig.first_k_dense={self.first_k_dense} exceeds n_layers="
+                    f"{self.n_layers}; choose 0..{self.n_layers}")
+        elif self.n_shared_experts:
+            raise ValueError(f"ModelConfig.n_shared_experts={self.n_shared_experts} needs routed "
+                             "experts; set n_experts >= 1 or n_shared_experts=0")
+
+    # --- derived sizes ----------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """Resolved dense SwiGLU width."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return llama_ffn_hidden(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        """Resolved per-expert SwiGLU width."""
+        return self.ffn_dim if self.moe_ffn_hidden is None else self.moe_ffn_hidden
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0 and any(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` (0-based) has a routed MoE feed-forward."""
+        if self.n_experts == 0 or layer_id < self.first_k_dense:
+            return False
+        return (layer_id - self.first_k_dense) % self.moe_every == 0
+
+    @property
+    def depth_init_std(self) -> float:
+        """Std for projections that write into the residual stream (wo, w2): the residual sum of
+        2 * n_layers such outputs then keeps a depth-independent variance (GPT-2)."""
+        return self.init_std / math.sqrt(2 * self.n_layers)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

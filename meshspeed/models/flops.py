@@ -1,0 +1,51 @@
+"""Analytic parameter and FLOP counts (no model is built), used for presets and MFU."""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+
+
+def _attention_params(c: ModelConfig) -> int:
+    q_out, kv_out = c.n_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return c.dim * q_out * 2 + c.dim * kv_out * 2  # wq, wo, wk, wv
+
+
+def _ffn_params(c: ModelConfig, layer_id: int, active: bool) -> int:
+    if not c.is_moe_layer(layer_id):
+        return 3 * c.dim * c.ffn_dim
+    per_expert = 3 * c.dim * c.moe_ffn_dim
+    routed = (c.top_k if active else c.n_experts) * per_expert
+    shared = c.n_shared_experts * per_expert
+    return routed + shared + c.dim * c.n_experts  # + router gate
+
+
+def param_count(config: ModelConfig, active: bool = False) -> int:
+    """Parameters of the full model. active=True counts only the top_k routed experts of each
+    MoE layer: the parameters one token actually uses (Mixtral-8x7B: ~12.9B of 46.7B)."""
+    c = config
+    total = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.dim  # embeddings + final norm
+    for i in range(c.n_layers):
+        total += _attention_params(c) + _ffn_params(c, i, active) + 2 * c.dim  # + 2 norms
+    return total
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Active parameters that take part in a matmul per token: every linear layer, the output
+    projection included (even when tied), but not the embedding lookup nor norm weights."""
+    c = config
+    layers = sum(_attention_params(c) + _ffn_params(c, i, active=True) for i in range(c.n_layers))
+    return layers + c.vocab_size * c.dim
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token: 6 * N + 12 * L * H * Q * T.
+
+    PaLM appendix B / Megatron: 6 FLOPs per matmul parameter per token (2 forward, 4 backward)
+    plus the attention score and value matmuls, which grow with the sequence length T. N is the
+    active matmul parameter count (`matmul_params`). Like PaLM and torchtitan, the causal mask
+    is not discounted, so MFU figures compare with theirs.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} is invalid; use an integer >= 1")
+    c = config
+    return 6 * matmul_params(c) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len

@@ -1,0 +1,169 @@
+"""Llama-style decoder for ONE device: GQA attention with RoPE, SwiGLU or MoE feed-forward.
+
+Parallelism is applied from outside by module FQN (torchtitan names: `layers.<i>.attention.wq`,
+`layers.<i>.feed_forward.w1`, `tok_embeddings`, `norm`, `output`, ...). Two conventions make that
+possible and must survive edits:
+- layers live in an nn.ModuleDict keyed by str(index), so a pipeline stage can delete layers and
+  the remaining FQNs (and hence checkpoints and the seeded init) stay the same;
+- `tok_embeddings`, `norm` and `output` may be set to None: a middle pipeline stage then takes
+  and returns hidden states [batch, seq, dim].
+Head counts are read from tensor shapes, never from the config, so a tensor-parallel shard of
+wq/wk/wv (fewer local heads) runs through the same forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import FeedForward, RMSNorm, apply_rope, precompute_rope
+from .moe import MoE
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[batch, seq, kv_heads, head_dim] -> [batch, seq, kv_heads * n_rep, head_dim].
+
+    Query head h uses kv head h // n_rep. An explicit expand (not SDPA's enable_gqa) works
+    with every SDPA backend, the flash kernel included.
+    """
+    if n_rep == 1:
+        return x
+    b, s, kv, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, kv, n_rep, d).reshape(b, s, kv * n_rep, d)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention through scaled_dot_product_attention."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [batch, seq, heads, head_dim]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [batch, seq, kv_heads, head_dim]
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = F.scaled_dot_product_attention(  # [batch, heads, seq, head_dim]
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, layer_id: int, config: ModelConfig):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.moe_enabled = config.is_moe_layer(layer_id)
+        # Same attribute name for dense and MoE so norm/residual FQN patterns do not fork.
+        self.feed_forward = MoE(config) if self.moe_enabled else FeedForward(config.dim,
+                                                                             config.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens [batch, seq] -> logits [batch, seq, vocab]; hidden states if `output` is None."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, config) for i in range(config.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+        # Non-persistent: derived from the config, so checkpoints neither carry nor reshard them.
+        # init_rope() recomputes them after meta-device construction + to_empty().
+        cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, head_dim // 2]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Make `output` share the embedding Parameter when config.tie_embeddings.
+
+        Called again after to_empty(): materialising a meta model creates new Parameters and
+        silently unties them. A pipeline split that puts embedding and output on different
+        stages must keep them equal across ranks itself.
+        """
+        tie = self.config.tie_embeddings
+        if tie and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the float32 RoPE tables, e.g. after to_empty() or a cast to bf16."""
+        device = self.rope_cos.device if device is None else device
+        cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len,
+                                   self.config.rope_theta, device=device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [batch, seq] ids, or [batch, seq, dim] hidden states when tok_embeddings is None.
+
+        positions: optional RoPE positions, [seq] or [batch, seq] (context parallelism feeds
+        non-contiguous ones); default 0..seq-1.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            seq = h.shape[1]
+            if seq > self.config.max_seq_len:
+                raise ValueError(f"sequence length {seq} exceeds ModelConfig.max_seq_len="
+                                 f"{self.config.max_seq_len}; raise max_seq_len or feed shorter "
+                                 "sequences")
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """FQN -> MoE module for the MoE layers present on this model (or pipeline stage)."""
+        return {f"layers.{i}.feed_forward": layer.feed_forward
+                for i, layer in self.layers.items() if isinstance(layer.feed_forward, MoE)}
+
+    def aux_loss(self) -> torch.Tensor:
+        """Coefficient-weighted MoE auxiliary losses of the last forward, with gradients.
+
+        A zero scalar for dense models (or before the first forward), so the trainer can always
+        write `loss = ce + model.aux_loss()`.
+        """
+        losses = [aux for m in self.moe_layers().values() if (aux := m.aux_loss()) is not None]
+        if not losses:
+            return self.rope_cos.new_zeros(())
+        return torch.stack(losses).sum()
+
+    def router_stats(self) -> dict[str, torch.Tensor]:
+        """FQN -> tokens routed to each expert [n_experts] in the last forward (detached)."""
+        return {name: m.tokens_per_expert for name, m in self.moe_layers().items()
+                if m.tokens_per_expert is not None}
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor,
+                       ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token loss. logits [batch, seq, vocab], targets [batch, seq].
+
+    Upcast to float32: a bf16 log-softmax over a 128k vocabulary loses visible precision.
+    """
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+                           ignore_index=ignore_index)

@@ -1,0 +1,39 @@
+"""Pipeline parallelism as data: schedules, communication insertion, validation, simulation,
+drawing and stage layouts. Pure Python; the runtime that executes a schedule over
+meshspeed.comm lives elsewhere and consumes these action lists.
+"""
+
+from meshspeed.parallel.pipeline.actions import (
+    B,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    F,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    W,
+    Action,
+    ScheduleError,
+    format_schedule,
+    holder_of,
+    parse_action,
+    parse_schedule,
+    stage_of,
+)
+from meshspeed.parallel.pipeline.analysis import closed_form, evaluate, fb_overlap
+from meshspeed.parallel.pipeline.comms import insert_comms
+from meshspeed.parallel.pipeline.draw import ascii_timeline, draw_png, to_json
+from meshspeed.parallel.pipeline.layout import StageLayout, even_layout, format_layout, parse_layout
+from meshspeed.parallel.pipeline.schedules import SCHEDULES, build_schedule, get_schedule
+from meshspeed.parallel.pipeline.simulate import Costs, DeadlockError, SimResult, Span, simulate
+from meshspeed.parallel.pipeline.validate import validate
+
+__all__ = [
+    "Action", "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "COMPUTE_KINDS", "COMM_KINDS",
+    "ScheduleError", "DeadlockError", "format_schedule", "parse_action", "parse_schedule", "stage_of", "holder_of",
+    "SCHEDULES", "get_schedule", "build_schedule", "insert_comms", "validate",
+    "Costs", "SimResult", "Span", "simulate", "closed_form", "evaluate", "fb_overlap",
+    "ascii_timeline", "draw_png", "to_json",
+    "StageLayout", "parse_layout", "even_layout", "format_layout",
+]
