@@ -3,8 +3,9 @@
 For every op and size it times meshspeed's default path ("auto"), any algorithms asked for,
 and the raw torch.distributed call. As in nccl-tests, a round launches a burst of async calls
 back to back and waits for them all; rounds alternate between the paths (ABBA order) so that
-machine noise hits all of them alike. Time per row is the median over rounds of the burst's
-time per call, counted from when the last rank started it (see _span). (Single blocking calls vary by ±35% on a 2-core machine running 4
+machine noise hits all of them alike. Time per row is the 20%-trimmed mean over rounds of the
+burst's time per call (robust to outlier rounds, yet close to the mean's efficiency), counted
+from when the last rank started it (see _span). (Single blocking calls vary by ±35% on a 2-core machine running 4
 ranks; bursts bring that to a few percent.) Bandwidths follow
 nccl-tests: algbw = bytes / time, busbw = algbw × the op's bus factor (all_reduce 2(p-1)/p,
 all_gather / reduce_scatter / all_to_all (p-1)/p, broadcast 1), so busbw is comparable
@@ -141,6 +142,13 @@ def _count_wrong(op, algo, world, nbytes, dtype, redop) -> int:
     return int(comm.all_reduce(torch.tensor([wrong]), world).item())
 
 
+def trimmed_mean(xs: list[float], cut: float = 0.2) -> float:
+    xs = sorted(xs)
+    k = int(len(xs) * cut)
+    kept = xs[k:len(xs) - k] or xs
+    return sum(kept) / len(kept)
+
+
 def _applicable(op: str, algo: str, world) -> bool:
     return algo in ("auto", "raw") or algo in cost_model.candidates(op, world.nodes, uneven=False)
 
@@ -173,9 +181,9 @@ def measure(cfg: BenchConfig, ctx, progress) -> list[dict]:
                     h.wait()
                 times[algo].append(_span(world, t0, time.perf_counter(), ctx.num_nodes == 1) / burst)
         esize = torch.empty(0, dtype=dtype).element_size()
-        raw_t = statistics.median(times["raw"])
+        raw_t = trimmed_mean(times["raw"])
         for algo in algos[1:]:
-            t = statistics.median(times[algo])
+            t = trimmed_mean(times[algo])
             bytes_ = count * esize
             resolved = comm.select_algo(world, op, bytes_, None) if algo == "auto" and op != "broadcast" else (
                 "native" if algo == "auto" else algo)
@@ -212,7 +220,7 @@ def _fmt_size(n: int) -> str:
 
 
 def format_table(rows: list[dict], p: int, backend: str) -> str:
-    head = (f"# meshspeed bench comm: {p} ranks, backend {backend}; time per call = median over rounds of 8-call bursts\n"
+    head = (f"# meshspeed bench comm: {p} ranks, backend {backend}; time per call = trimmed mean over rounds of 8-call bursts\n"
             f"# {'size':>8} {'count':>10} {'type':>8} {'redop':>5} {'op':>14} {'algo':>12} {'time':>9} "
             f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'raw busbw':>9} {'vs raw':>6} {'model':>9}\n"
             f"# {'(B)':>8} {'(elements)':>10} {'':>8} {'':>5} {'':>14} {'':>12} {'(us)':>9} "
@@ -260,13 +268,17 @@ def plot(rows: list[dict], path: str, p: int) -> None:
         series.setdefault((r["op"], r["algo"]), {})[r["bytes"]] = r["busbw_gbps"]
         series.setdefault((r["op"], "raw torch"), {})[r["bytes"]] = r["raw_busbw_gbps"]
     colors = dict(zip(OPS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
-    styles = {"raw torch": ":", "auto": "-", "native": "--", "ring": "-.", "hd": (0, (5, 1)),
-              "hier": (0, (3, 1, 1, 1)), "bruck": (0, (1, 1)), "pairwise": (0, (3, 3))}
+    # Colour = op; line style and marker = algorithm; the raw torch call is a thick dotted line.
+    styles = {"raw torch": (":", "x"), "auto": ("-", "o"), "native": ("--", "."), "ring": ("-.", "^"),
+              "hd": ((0, (5, 1)), "v"), "hier": ((0, (3, 1, 1, 1)), "D"), "bruck": ((0, (1, 2)), "s"),
+              "pairwise": ((0, (3, 3)), "p")}
     for (op, algo), points in sorted(series.items()):
         xs = sorted(points)
-        ax.plot(xs, [points[x] for x in xs], color=colors.get(op, "k"), linestyle=styles.get(algo, "-"),
-                marker="o", markersize=3, label=f"{op} / {algo}")
+        ls, marker = styles.get(algo, ("-", "o"))
+        ax.plot(xs, [points[x] for x in xs], color=colors.get(op, "k"), linestyle=ls, marker=marker,
+                markersize=4, linewidth=2.5 if algo == "raw torch" else 1.3, label=f"{op} / {algo}")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # small messages are latency-bound: a linear axis would flatten them to 0
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(f"meshspeed bench comm — {p} ranks")

@@ -31,8 +31,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or int64 (default float32)")
     p.add_argument("--redop", default="sum", help="reduction for all_reduce/reduce_scatter: sum, avg, max, min")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per algorithm and size (default 3)")
-    p.add_argument("--iters", type=int, default=80,
-                   help="timed calls per algorithm and size, in rounds of 8-call bursts (default 80)")
+    p.add_argument("--iters", type=int, default=160,
+                   help="timed calls per algorithm and size, in rounds of 8-call bursts (default 160: "
+                        "on a busy machine fewer rounds leave ±5%% noise in each row)")
     p.add_argument("--algo", default="auto",
                    help="comma-separated: auto (meshspeed's default path), native, ring, hd, hier, bruck, "
                         "pairwise, or all; each is compared side by side with raw torch (default auto)")
