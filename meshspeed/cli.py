@@ -15,6 +15,7 @@ import sys
 SUBCOMMANDS = [
     "meshspeed.commands.bench",
     "meshspeed.commands.pipeline",
+    "meshspeed.commands.train",
 ]
 
 

@@ -313,7 +313,8 @@ def worker(cfg: BenchConfig) -> None:
         print(summary(rows))
         print("# fitted link parameters (alpha us, beta = 1/bandwidth GB/s, gamma = 1/reduce rate GB/s):")
         for key, (a, b, c) in sorted(params.values.items()):
-            if key.endswith("intra") or ctx.num_nodes > 1:
+            fitted = key.split(".")[0] in params.fitted
+            if fitted and (key.endswith("intra") or ctx.num_nodes > 1):
                 print(f"#   {key:<13} alpha={a * 1e6:8.2f} us  beta=1/{1 / b / 1e9 if b else float('inf'):7.2f} GB/s"
                       f"  gamma=1/{1 / c / 1e9 if c else float('inf'):7.2f} GB/s")
         if cfg.save_params:

@@ -46,10 +46,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # [batch, seq, heads, head_dim]
-        k = self.wk(x).view(b, s, -1, self.head_dim)  # [batch, seq, kv_heads, head_dim]
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # Shapes from the projections, not from x: under sequence parallelism x holds seq/tp rows
+        # and the (tensor-parallel) projections gather the full sequence.
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim)  # [batch, seq, heads, head_dim]
+        k = k.view(b, s, -1, self.head_dim)  # [batch, seq, kv_heads, head_dim]
+        v = v.view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
@@ -121,7 +124,10 @@ class Transformer(nn.Module):
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
-            seq = h.shape[1]
+            # The input's length, not h's: sequence parallelism leaves h with seq/tp rows after
+            # the embedding. (A middle pipeline stage fed sequence-sharded hidden states must
+            # pass `positions`.)
+            seq = tokens.shape[1]
             if seq > self.config.max_seq_len:
                 raise ValueError(f"sequence length {seq} exceeds ModelConfig.max_seq_len="
                                  f"{self.config.max_seq_len}; raise max_seq_len or feed shorter "

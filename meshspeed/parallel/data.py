@@ -1,0 +1,407 @@
+"""Data parallelism: flat gradient buckets reduced during backward, and the ZeRO shard layout.
+
+    dp, opt = build_data_parallel(model, mesh, zero=1, dtype=torch.bfloat16, lr=3e-4)
+    for i, batch in enumerate(micro_batches):                    # loss scaled by 1/len(...)
+        with dp.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            (loss_fn(model(batch)) / len(micro_batches)).backward()
+    norm = clip_grad_norm_(dp, 1.0, mesh)                        # waits for the reductions
+    opt.step(); opt.zero_grad()
+
+Layout. Trainable parameters (this rank's local tensor-parallel shards: a shard is just a
+parameter here) are packed in reverse registration order, roughly the order backward produces
+their gradients, into flat buckets of about `bucket_mb` of gradient. A bucket owns a parameter
+buffer (param dtype) and a gradient buffer (grad dtype, fp32 by default); each parameter's
+`.data` is a view into the first and its gradient a view into the second: `p.grad` itself when
+the dtypes match (autograd then accumulates in place, no copy), else `p.main_grad` (bf16
+parameters with fp32 gradients: the hook adds the bf16 gradient in and drops it). Parameter
+starts are aligned to 16 elements and buckets padded to a multiple of 16·dp, so each of the dp
+ZeRO shards of a bucket is equal and aligned; padding stays zero.
+
+Overlap. A post-accumulate-grad hook counts each parameter in; a complete bucket is reduced at
+once with an async collective (average over dp), while backward goes on with earlier layers.
+Buckets are launched strictly in index order so every rank issues the same collectives in the
+same order; a bucket whose parameters got no gradient (unused) goes out in finish_grad_sync().
+
+ZeRO. zero=0: all-reduce; the optimizer updates whole buckets. zero=1: all-reduce (full
+reduced gradients stay readable, e.g. by sparse-training growth criteria); the optimizer keeps
+fp32 master + AdamW moments for this rank's 1/dp slice of every bucket and all-gathers the
+updated parameters. zero=2: reduce-scatter into a 1/dp fp32 gradient shard, after which the
+full bucket's storage is released (re-allocated, zeroed, by the next backward's first hook), so
+outside backward a rank holds 1/dp of the gradients. Gradient accumulation under no_sync keeps
+full buckets until the last micro-batch (one reduction per step, not per micro-batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+
+ALIGN = 16  # elements: 64 B of fp32, enough for vectorised kernels and NCCL's alignment wishes
+GROUPS = ("dp", "dp_cp")  # dp_cp with context parallelism: cp ranks see other tokens of a sample
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Parameter `name` is elements [offset, offset + numel) of bucket `bucket`."""
+
+    name: str
+    bucket: int
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One bucket: its padded length and the parameters it holds."""
+
+    index: int
+    numel: int
+    slots: tuple[Slot, ...]
+
+    def shard(self, rank: int, size: int) -> tuple[int, int]:
+        """[lo, hi) of member `rank`'s slice (numel is a multiple of size)."""
+        n = self.numel // size
+        return rank * n, (rank + 1) * n
+
+
+def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], bucket_numel: int, dp_size: int,
+                 align: int = ALIGN) -> list[BucketSpec]:
+    """Pack (name, shape) in the given order into buckets of at most `bucket_numel` elements
+    (a larger parameter gets a bucket of its own). Pure data: print it, test it."""
+    buckets: list[BucketSpec] = []
+    slots: list[Slot] = []
+    used = 0
+    for name, shape in shapes:
+        numel = math.prod(shape)
+        if slots and used + numel > bucket_numel:
+            buckets.append(BucketSpec(len(buckets), _round_up(used, align * dp_size), tuple(slots)))
+            slots, used = [], 0
+        slots.append(Slot(name, len(buckets), used, numel, tuple(shape)))
+        used = _round_up(used + numel, align)
+    if slots:
+        buckets.append(BucketSpec(len(buckets), _round_up(max(used, 1), align * dp_size), tuple(slots)))
+    return buckets
+
+
+def _segments(spec: BucketSpec, lo: int, hi: int, keep) -> list[tuple[int, int]]:
+    """[s, e) ranges, relative to lo, of the slots within [lo, hi) for which keep(slot) holds;
+    neighbouring slots merged (the alignment gaps between them are zero, so they may be swallowed)."""
+    out: list[list[int]] = []
+    prev = -2
+    for j, s in enumerate(spec.slots):
+        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if a >= b or not keep(s):
+            continue
+        if out and prev == j - 1:
+            out[-1][1] = b - lo
+        else:
+            out.append([a - lo, b - lo])
+        prev = j
+    return [(a, b) for a, b in out]
+
+
+class _Bucket:
+    def __init__(self, spec: BucketSpec, param_dtype, grad_dtype, device):
+        self.spec = spec
+        self.data = torch.zeros(spec.numel, dtype=param_dtype, device=device)
+        self.grad = torch.zeros(spec.numel, dtype=grad_dtype, device=device)
+        self.grad_shard: torch.Tensor | None = None  # zero=2: this rank's reduced slice
+        self.nbytes = self.grad.untyped_storage().nbytes()
+        self.ready = 0
+        self.handle = None
+        self.freed = False
+
+    def materialize(self) -> None:
+        if self.freed:
+            self.grad.untyped_storage().resize_(self.nbytes)
+            self.grad.zero_()
+            self.freed = False
+
+    def free(self) -> None:
+        self.grad.untyped_storage().resize_(0)
+        self.freed = True
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+class DataParallel:
+    """Owns the flat buckets of `model`'s trainable parameters and reduces their gradients over
+    `mesh[group]`. Not an nn.Module: the model keeps its own parameter names (FQNs)."""
+
+    def __init__(self, model: nn.Module, mesh, *, zero: int = 0, bucket_mb: float = 25.0,
+                 param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype = torch.float32,
+                 group: str = "dp"):
+        if zero not in (0, 1, 2):
+            raise comm.ConfigError(f"zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2")
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise comm.ConfigError(f"bucket_mb={bucket_mb!r} must be a number of MiB > 0, e.g. 25")
+        if group not in GROUPS:
+            raise comm.ConfigError(f"data-parallel group={group!r}; valid: {', '.join(GROUPS)}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise comm.ConfigError("the model has no trainable parameters (requires_grad=True) to data-parallelise")
+        dtypes = {p.dtype for _, p in named}
+        if param_dtype is None and len(dtypes) > 1:
+            raise comm.ConfigError(f"parameters have several dtypes {sorted(map(str, dtypes))}; pass param_dtype=")
+        self.module, self.mesh, self.zero, self.group_name = model, mesh, zero, group
+        self.group = mesh[group]
+        self.param_dtype = param_dtype or next(iter(dtypes))
+        self.grad_dtype = grad_dtype
+        self.params: dict[str, nn.Parameter] = dict(named)
+        cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=grad_dtype).element_size())
+        self.specs = plan_buckets([(n, tuple(p.shape)) for n, p in reversed(named)], cap, self.group.size)
+        self.slots = {s.name: s for spec in self.specs for s in spec.slots}
+        device = named[0][1].device
+        self.buckets = [_Bucket(spec, self.param_dtype, grad_dtype, device) for spec in self.specs]
+        self.views_grad = self.param_dtype == grad_dtype  # p.grad is the bucket view itself
+        # fp32 copies of the starting values for the optimizer's masters, when the parameter
+        # buffer cannot give them exactly (bf16 storage of an fp32 model); see master_source.
+        self._source: list[torch.Tensor | None] = []
+        self._gviews: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for b in self.buckets:
+                src = torch.zeros(b.spec.numel, dtype=torch.float32, device=device) \
+                    if self.param_dtype != torch.float32 else None
+                for s in b.spec.slots:
+                    p = self.params[s.name]
+                    flat = p.detach().reshape(-1)
+                    b.data[s.offset:s.offset + s.numel].copy_(flat)
+                    if src is not None:
+                        src[s.offset:s.offset + s.numel].copy_(flat)
+                    p.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
+                    self._gviews[s.name] = g = b.grad[s.offset:s.offset + s.numel].view(s.shape)
+                    if self.views_grad:
+                        p.grad = g
+                    else:
+                        p.grad = None
+                        p.main_grad = g
+                self._source.append(src)
+                if zero == 2 and self.group.size > 1:
+                    b.grad_shard = torch.zeros(b.spec.numel // self.group.size, dtype=grad_dtype, device=device)
+        self.require_grad_sync = True
+        self._marked: set[str] = set()
+        self._next = 0  # next bucket to launch
+        self._dirty = False  # gradients accumulated since the last reduction
+        self.stats = {"launched_in_backward": 0, "launched_in_finish": 0, "syncs": 0}
+        self._norm_plan: list[tuple[int, int, int, bool]] | None = None
+        self.events: list[tuple[str, object]] | None = None  # set to [] to log ("grad", name) / ("launch", i)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
+
+    # -- use -------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) for the micro-batches inside."""
+        old, self.require_grad_sync = self.require_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_grad_sync = old
+
+    def finish_grad_sync(self) -> None:
+        """Launch what backward did not, wait for every reduction. Idempotent; call before
+        reading gradients (the optimizer and clip_grad_norm_ call it themselves)."""
+        if not self._dirty:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self._next, "launched_in_finish")
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+        if self.zero == 2 and self.group.size > 1:
+            for b in self.buckets:
+                for s in b.spec.slots:
+                    p = self.params[s.name]
+                    if p.grad is not None and _aliases(p.grad, self._gviews[s.name]):
+                        p.grad = None  # its storage goes now; only the shard is kept
+                b.free()
+        for b in self.buckets:
+            b.ready = 0
+        self._marked.clear()
+        self._next, self._dirty = 0, False
+        self.stats["syncs"] += 1
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        self.finish_grad_sync()  # never zero a buffer a collective is still writing
+        for b in self.buckets:
+            if b.freed:
+                continue  # zero=2: re-allocated zeroed by the next backward
+            b.grad.zero_()
+            if self.views_grad:
+                for s in b.spec.slots:
+                    self.params[s.name].grad = self._gviews[s.name]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- backward --------------------------------------------------------------------------
+    def _make_hook(self, name: str):
+        slot = self.slots[name]
+
+        def hook(p: torch.Tensor) -> None:
+            b = self.buckets[slot.bucket]
+            self._accumulate(p, name, b)
+            self._dirty = True
+            if self.events is not None:
+                self.events.append(("grad", name))
+            if not self.require_grad_sync:
+                return
+            if name in self._marked:
+                raise RuntimeError(
+                    f"meshspeed DataParallel: parameter {name} got a second gradient after its bucket was "
+                    "reduced in this step. ---> HINT: run every micro-batch but the last inside "
+                    "dp.no_sync(), and call dp.finish_grad_sync() / opt.step() before the next backward")
+            self._marked.add(name)
+            b.ready += 1
+            while self._next < len(self.buckets) and \
+                    self.buckets[self._next].ready == len(self.buckets[self._next].spec.slots):
+                self._launch(self._next, "launched_in_backward")
+
+        return hook
+
+    @torch.no_grad()
+    def _accumulate(self, p: torch.Tensor, name: str, b: _Bucket) -> None:
+        b.materialize()
+        view, g = self._gviews[name], p.grad
+        if g is None or _aliases(g, view):
+            return  # autograd accumulated into the bucket itself
+        view.add_(g)  # first gradient after a free / zero_grad(set_to_none), or a bf16 one
+        p.grad = view if self.views_grad else None
+
+    def _launch(self, i: int, counter: str) -> None:
+        b = self.buckets[i]
+        b.materialize()  # a bucket of unused parameters may still be released
+        self._next = i + 1
+        self.stats[counter] += 1
+        if self.events is not None:
+            self.events.append(("launch", i))
+        if self.group.size == 1:
+            return
+        if self.zero == 2:
+            b.handle = comm.reduce_scatter(b.grad, self.group, "avg", out=b.grad_shard, async_op=True)
+        else:
+            b.handle = comm.all_reduce(b.grad, self.group, "avg", async_op=True)
+
+    # -- what the optimizer and clipping read ----------------------------------------------
+    def dp_shard(self, i: int) -> tuple[int, int]:
+        """This rank's 1/dp slice of bucket i: disjoint across dp whatever the ZeRO stage."""
+        return self.specs[i].shard(self.group.rank, self.group.size)
+
+    def opt_range(self, i: int) -> tuple[int, int]:
+        """The part of bucket i this rank's optimizer updates."""
+        return self.dp_shard(i) if self.zero else (0, self.specs[i].numel)
+
+    def reduced_grad(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        """Reduced gradient of bucket i over [lo, hi) (within this rank's shard under zero=2)."""
+        b = self.buckets[i]
+        if b.grad_shard is None:
+            return b.grad[lo:hi]
+        base = self.dp_shard(i)[0]
+        return b.grad_shard[lo - base:hi - base]
+
+    def master_source(self, i: int) -> torch.Tensor:
+        """Full fp32 starting values of bucket i (for the optimizer's master weights)."""
+        src = self._source[i]
+        return src if src is not None else self.buckets[i].data.float()
+
+    def release_master_source(self) -> None:
+        self._source = [None] * len(self.buckets)
+
+    def publish(self, i: int, master: torch.Tensor):
+        """Write updated fp32 `master` (this rank's opt_range of bucket i) into the parameters
+        of every dp rank; returns a handle to wait on (or None)."""
+        b = self.buckets[i]
+        lo, hi = self.opt_range(i)
+        if not self.zero or self.group.size == 1:
+            if not _aliases(master, b.data[lo:hi]):
+                b.data[lo:hi].copy_(master)
+            return None
+        src = master if master.dtype == b.data.dtype else master.to(b.data.dtype)
+        return comm.all_gather(src, self.group, out=b.data, async_op=True)
+
+    @torch.no_grad()
+    def scale_grads_(self, coef: torch.Tensor) -> None:
+        for b in self.buckets:
+            (b.grad_shard if b.grad_shard is not None else b.grad).mul_(coef)
+
+    def norm_segments(self) -> list[tuple[torch.Tensor, bool]]:
+        """(reduced gradient piece, sharded over tp) covering this rank's dp slice of every bucket."""
+        if self._norm_plan is None:
+            self._norm_plan = []
+            for i, spec in enumerate(self.specs):
+                lo, hi = self.dp_shard(i)
+                for tp in (False, True):
+                    keep = lambda s, tp=tp: _tp_sharded(self.params[s.name]) == tp  # noqa: E731
+                    self._norm_plan += [(i, lo + a, lo + e, tp) for a, e in _segments(spec, lo, hi, keep)]
+        return [(self.reduced_grad(i, a, e), tp) for i, a, e, tp in self._norm_plan]
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now (counted, not estimated)."""
+        return sum((0 if b.freed else b.nbytes) +
+                   (b.grad_shard.untyped_storage().nbytes() if b.grad_shard is not None else 0)
+                   for b in self.buckets)
+
+    def layout(self) -> str:
+        """The bucket layout, one line per bucket."""
+        lines = []
+        for spec in self.specs:
+            names = ", ".join(s.name for s in spec.slots)
+            lines.append(f"bucket {spec.index}: {spec.numel} elements, {len(spec.slots)} params: {names}")
+        return "\n".join(lines)
+
+
+def _tp_sharded(p: torch.Tensor) -> bool:
+    """True for a tensor-parallel shard (CONTRACTS.md §1); other placements are not known here."""
+    placement = getattr(p, "_ms_placement", None)
+    if placement is None:
+        return False
+    if placement[0] != "tp":
+        raise comm.ConfigError(f"parameter placement {placement!r}: gradient-norm accounting knows "
+                               "('tp', dim) only (CONTRACTS.md §1); extend meshspeed.parallel.data._tp_sharded")
+    return True
+
+
+def build_data_parallel(model: nn.Module, mesh, *, zero: int = 0, bucket_mb: float = 25.0,
+                        dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.float32,
+                        lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                        eps: float = 1e-8, no_decay=None, group: str = "dp"):
+    """Make `model` data parallel over mesh[group] and build its (ZeRO) AdamW.
+
+    dtype: parameter storage and compute (bf16 default; fp32 for exactness checks). Master
+    weights and AdamW moments are fp32 whatever it is; gradients are accumulated and reduced in
+    grad_dtype (fp32 default). Returns (DataParallel, ZeroAdamW).
+    """
+    from meshspeed.parallel.optim import ZeroAdamW
+
+    dp = DataParallel(model, mesh, zero=zero, bucket_mb=bucket_mb, param_dtype=dtype,
+                      grad_dtype=grad_dtype, group=group)
+    opt = ZeroAdamW(dp, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
+    return dp, opt
+
+
+def __getattr__(name: str):
+    # clip_grad_norm_ lives beside the optimizer; re-exported here without an import cycle.
+    if name in ("clip_grad_norm_", "grad_norm", "ZeroAdamW"):
+        from meshspeed.parallel import optim
+
+        return getattr(optim, name)
+    raise AttributeError(name)

@@ -1,0 +1,117 @@
+"""Communication for tensor parallelism beside meshspeed.comm.autograd: parameter chunks in
+torch.chunk semantics (CONTRACTS.md §1), gathers that follow them, and the vocab-parallel
+cross-entropy.
+
+Activations sharded along the sequence use meshspeed.comm's tensor_split chunks (gather_sp /
+reduce_scatter_sp); parameters and vocab-sharded logits use torch.chunk chunks, which is what
+DTensor's Shard(dim) and checkpoints expect. The two agree whenever the extent divides tp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshspeed import comm
+
+
+def chunk_bounds(n: int, p: int) -> list[int]:
+    """p + 1 offsets of torch.chunk's pieces of a length-n dimension over p ranks.
+
+    Piece i starts at i * ceil(n / p); the last pieces may be shorter or empty.
+    """
+    size = -(-n // p) if p else 0
+    return [min(i * size, n) for i in range(p + 1)]
+
+
+def chunk_sizes(n: int, p: int) -> list[int]:
+    offs = chunk_bounds(n, p)
+    return [offs[i + 1] - offs[i] for i in range(p)]
+
+
+def shard(full: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
+    """This member's torch.chunk piece of `full` along `dim` (a view)."""
+    offs = chunk_bounds(full.shape[dim], group.size)
+    return full.narrow(dim, offs[group.rank], offs[group.rank + 1] - offs[group.rank])
+
+
+def gather_chunks(x: torch.Tensor, group: comm.Group, dim: int, n: int) -> torch.Tensor:
+    """All-gather torch.chunk pieces of a length-n dimension (no gradient)."""
+    return comm.all_gather(x.contiguous(), group, dim % x.dim(), sizes=chunk_sizes(n, group.size))
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All-gather forward; keep my torch.chunk piece of the (replicated) gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, n):
+        ctx.group, ctx.dim = group, dim
+        return gather_chunks(x, group, dim, n)
+
+    @staticmethod
+    def backward(ctx, g):
+        return shard(g, ctx.dim, ctx.group).contiguous(), None, None, None
+
+
+def gather_chunks_ad(x: torch.Tensor, group: comm.Group, dim: int, n: int) -> torch.Tensor:
+    """Differentiable gather_chunks (comm.gather_from with torch.chunk pieces)."""
+    return _GatherChunks.apply(x, group, dim % x.dim(), n)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy; every rank returns the same mean loss."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start, ignore_index):
+        # logits [tokens, V_local], targets [tokens] (global ids)
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        width = x.shape[-1]
+        # One max all-reduce gives the row maxima and, when not given, the full piece width
+        # ceil(V / tp) (rank 0's), from which torch.chunk's start of every piece follows.
+        m = torch.cat([x.amax(-1), x.new_tensor([float(width)])])
+        comm.all_reduce(m, group, "max")
+        if vocab_start is None:
+            vocab_start = group.rank * int(m[-1].item())
+        x = x - m[:-1, None]  # [tokens, V_local], <= 0
+        local = targets - vocab_start
+        in_range = ((local >= 0) & (local < width)).to(x.dtype)  # [tokens]
+        safe = local.clamp(0, max(width - 1, 0))
+        # Out-of-range targets pick an arbitrary local logit that the mask multiplies to zero
+        # (a multiply, not a masked assignment, so it is one fused elementwise op everywhere).
+        picked = x.gather(-1, safe[:, None]).squeeze(-1) * in_range
+        exp = x.exp_()
+        stats = torch.stack([exp.sum(-1), picked])  # [2, tokens]: one all-reduce for both
+        comm.all_reduce(stats, group)
+        sum_exp, picked = stats[0], stats[1]
+        valid = (targets != ignore_index).to(x.dtype)
+        n_valid = valid.sum()  # 0 -> nan, as F.cross_entropy
+        loss = ((sum_exp.log() - picked) * valid).sum() / n_valid
+        softmax = exp.div_(sum_exp[:, None])
+        ctx.save_for_backward(softmax, safe, in_range, valid / n_valid)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, safe, in_range, scale = ctx.saved_tensors
+        # d loss / d logit = (softmax - onehot(target)) * valid / n_valid; the one-hot lives
+        # only on the rank owning the target (in_range), so no communication is needed.
+        grad = softmax.scatter_add(-1, safe[:, None], -in_range[:, None])
+        grad = grad * (scale * g)[:, None]
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: comm.Group,
+                                 ignore_index: int = -100,
+                                 vocab_start: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of logits sharded along the vocabulary.
+
+    logits [batch, seq, V_local] (this rank's torch.chunk piece of the vocabulary), targets
+    [batch, seq] global ids; targets equal to `ignore_index` count neither in the sum nor in
+    the mean. `vocab_start`: first id of this rank's piece (default: torch.chunk's, found in
+    the max all-reduce). Two all-reduces; the backward needs none. Same value on every rank.
+    """
+    if logits.shape[-1] == 0:
+        raise ValueError("vocab_parallel_cross_entropy: this rank holds no vocabulary "
+                         "(empty shard); use a tp that leaves every rank some of the vocabulary")
+    return _VocabParallelCE.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                  group, vocab_start, ignore_index)

@@ -1,0 +1,472 @@
+"""Checkpoints: atomic, resharding, resumable; plus a safetensors export of the full model.
+
+A checkpoint is a directory `run_dir/step-000100/`:
+
+    .metadata, __*_0.distcp   DCP: model params ("model.<fqn>") and optimizer state per param
+                              ("optim.<fqn>.<name>", contract 2), each rank writing its shards
+    rng/rank-00003.pt         each rank's torch CPU/CUDA and Python RNG states
+    state.pt                  step, scheduler state, extra, config, optimizer scalars (rank 0)
+    meta.json                 readable summary: step, layout, world size, versions, config
+    COMPLETE                  written last: a `step-N` directory without it is not a checkpoint
+
+Atomicity: everything is written under `step-000100.tmp-<nonce>`; only after every rank has
+reported success (an all-gather of ok flags, so a failure on one rank fails the save on all
+without a hang) does rank 0 write COMPLETE and rename the directory into place. A crash leaves a
+`.tmp-` directory that `latest_checkpoint` ignores and the next save deletes.
+
+Resharding: tensors are saved as DTensors of the layout that wrote them and loaded into DTensors
+built for the current one (`meshspeed.comm.checkpoint_io`), so tp, dp and ZeRO may all change.
+Files are on a filesystem every rank sees (DCP's FileSystemWriter/Reader need that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import time
+import warnings
+
+import torch
+
+from meshspeed import comm
+from meshspeed.comm import ConfigError
+from meshspeed.comm import checkpoint_io as io
+from meshspeed.comm.checkpoint_io import ShardSpec
+from meshspeed.train.safetensors_io import read_safetensors, read_safetensors_header, write_safetensors
+
+FORMAT = "meshspeed-checkpoint/1"
+COMPLETE, META, STATE, RNG_DIR = "COMPLETE", "meta.json", "state.pt", "rng"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_STALE_RE = re.compile(r"^step-\d+\.(tmp|old)-[0-9a-f]+$")
+
+__all__ = ["CheckpointError", "export_safetensors", "latest_checkpoint", "list_checkpoints",
+           "load_checkpoint", "read_safetensors", "save_checkpoint", "write_safetensors"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says which and why."""
+
+
+# -- directories ----------------------------------------------------------------------------
+def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in `run_dir` as (step, path), oldest first."""
+    if not os.path.isdir(run_dir):
+        return []
+    out = []
+    for name in os.listdir(run_dir):
+        m = _STEP_RE.match(name)
+        if m and os.path.isfile(os.path.join(run_dir, name, COMPLETE)):
+            out.append((int(m.group(1)), os.path.join(run_dir, name)))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The complete checkpoint with the highest step in `run_dir`, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def _resolve(path: str) -> str:
+    """A checkpoint directory, or a run directory meaning its latest checkpoint."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if os.path.isfile(os.path.join(path, COMPLETE)):
+        return path
+    if _STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker: its save did not "
+                              f"finish); load an earlier step or the run directory for the latest complete one")
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"no complete checkpoint in {path} to resume from (looked for step-NNNNNN/{COMPLETE}); "
+                              f"start without resuming or pass a checkpoint directory")
+    return latest
+
+
+def _fsync_write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _torch_save(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _clean_stale(run_dir: str) -> None:
+    for name in os.listdir(run_dir):
+        if _STALE_RE.match(name):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def _publish(tmp: str, final: str, nonce: str) -> None:
+    """Rename `tmp` to `final`; an existing `final` (the same step saved again) is moved aside first."""
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old-{nonce}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final) or ".")
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _prune(run_dir: str, keep: int, just_saved: str) -> None:
+    """Delete all but the `keep` highest steps, never the one just saved (a run resumed from an
+    earlier step may save below checkpoints of the run it branched from)."""
+    for _, path in list_checkpoints(run_dir)[:-keep]:
+        if path == just_saved:
+            continue
+        # Unmark first: a crash mid-delete must not leave a half-deleted "complete" checkpoint.
+        os.remove(os.path.join(path, COMPLETE))
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- agreement across ranks -----------------------------------------------------------------
+def _agree(mesh, err: BaseException | None, what: str) -> None:
+    """Collective over the world: raise on every rank if `err` is set on any of them."""
+    ctx = mesh.ctx
+    flag = torch.tensor([0 if err is None else 1], dtype=torch.int32, device=ctx.device)
+    flags = comm.all_gather(flag, mesh["world"]).tolist()
+    failed = [r for r, f in enumerate(flags) if f]
+    if isinstance(err, (CheckpointError, ConfigError)):
+        raise err  # already a one-line diagnosis
+    if failed:
+        why = f": {type(err).__name__}: {err}" if err is not None else f"; see rank {failed[0]}'s error"
+        raise CheckpointError(f"{what} failed on rank{'s' if len(failed) > 1 else ''} "
+                              f"{', '.join(map(str, failed))}{why}") from err
+
+
+def _shared_nonce(mesh) -> str:
+    t = torch.tensor([secrets.randbits(48) if mesh.ctx.rank == 0 else 0], dtype=torch.int64, device=mesh.ctx.device)
+    comm.broadcast(t, mesh["world"], src=0)
+    return f"{int(t.item()):012x}"
+
+
+# -- what goes in ---------------------------------------------------------------------------
+def _param_specs(model, mesh) -> tuple[dict, dict[str, ShardSpec]]:
+    """This rank's parameters by FQN and the shard spec of each tagged one (contract 1)."""
+    params, specs = {}, {}
+    for name, p in model.named_parameters():
+        params[name] = p
+        placement = getattr(p, "_ms_placement", None)
+        if placement is None:
+            continue
+        group, dim = placement
+        full = getattr(p, "_ms_full_shape", None)
+        if group != "tp" or full is None:
+            raise CheckpointError(f"parameter {name} has _ms_placement={placement!r} and _ms_full_shape={full!r}; "
+                                  f"checkpoints handle ('tp', dim) with the full shape set (parallel/CONTRACTS.md §1)")
+        specs[name] = ShardSpec("tp", dim % p.dim(), torch.Size(full))
+    return params, specs
+
+
+def _full_shape(p, spec: ShardSpec | None) -> list[int]:
+    return list(spec.full_shape if spec is not None else p.shape)
+
+
+def _optimizer_tensors(per: dict, params: dict, specs: dict):
+    """Split contract-2 state into DCP tensors (+ specs) and the top-level scalars ("__step__").
+
+    A state tensor of a sharded parameter is sharded like it (contract 2: local shape); a
+    0-dim one is replicated."""
+    tensors, tspecs, scalars = {}, {}, {}
+    for fqn, value in per.items():
+        if not isinstance(value, dict):
+            scalars[fqn] = value  # the same on every rank
+            continue
+        if fqn not in params:
+            raise CheckpointError(f"optimizer state names {fqn!r}, which is not a parameter of the model")
+        p, spec = params[fqn], specs.get(fqn)
+        for name, v in value.items():
+            if not torch.is_tensor(v):
+                raise CheckpointError(f"optimizer state {fqn}.{name} is a {type(v).__name__}; per-parameter "
+                                      f"state holds tensors (contract 2), scalars go at the top level")
+            if spec is not None and v.dim() > 0 and v.shape != p.shape:
+                raise CheckpointError(f"optimizer state {fqn}.{name} has shape {list(v.shape)} but the parameter's "
+                                      f"local shard is {list(p.shape)}; contract 2 wants state in the local shape")
+            key = f"optim.{fqn}.{name}"
+            tensors[key] = v
+            if spec is not None and v.dim() > 0:
+                tspecs[key] = spec
+    return tensors, tspecs, scalars
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.dtype, torch.Size)
+
+
+def _plain(obj, where: str):
+    """Check `obj` is plain data (loadable with torch.load(weights_only=True)); dataclasses become dicts."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        return {k: _plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if type(obj) in (list, tuple):  # not a namedtuple: weights_only loading refuses those
+        return type(obj)(_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    if not isinstance(obj, _PLAIN):
+        raise ConfigError(f"{where} is a {type(obj).__name__}; checkpoints hold plain data (dict, list, tuple, str, "
+                          f"number, bool, None, tensor) so they load without unpickling code")
+    return obj
+
+
+def _rng_state() -> dict:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save_rng(directory: str, rank: int) -> None:
+    os.makedirs(os.path.join(directory, RNG_DIR), exist_ok=True)
+    _torch_save(_rng_state(), os.path.join(directory, RNG_DIR, f"rank-{rank:05d}.pt"))
+
+
+# -- save -----------------------------------------------------------------------------------
+def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, scheduler_state=None, extra=None,
+                    config=None, keep: int | None = 3) -> str:
+    """Collective over the world: save `run_dir/step-NNNNNN` atomically and return its path.
+
+    `optimizer` (or None) follows contract 2. `scheduler_state`, `extra` and `config` are plain
+    data (a dataclass config is stored as a dict). `keep`: complete checkpoints kept (None: all).
+    """
+    if step < 0:
+        raise ConfigError(f"checkpoint step={step} must be ≥ 0")
+    if keep is not None and keep < 1:
+        raise ConfigError(f"checkpoint keep={keep} must be ≥ 1 (or None to keep every checkpoint)")
+    if config is not None and hasattr(config, "to_dict"):
+        config = config.to_dict()
+    state = {"step": int(step), "scheduler_state": _plain(scheduler_state, "scheduler_state"),
+             "extra": _plain(extra, "extra"), "config": _plain(config, "config")}
+    ctx = mesh.ctx
+    lead = ctx.rank == 0
+    params, specs = _param_specs(model, mesh)
+    tensors = {f"model.{k}": p for k, p in params.items()}
+    tspecs = {f"model.{k}": s for k, s in specs.items()}
+    state["optimizer"] = None
+    if optimizer is not None:
+        per = optimizer.state_dict_per_param()  # collective over dp (ZeRO gathers)
+        t2, s2, scalars = _optimizer_tensors(per, params, specs)
+        state["optimizer"] = _plain(scalars, "optimizer scalars")
+        tensors.update(t2)
+        tspecs.update(s2)
+    # The tensor index is DCP's .metadata (the union of every rank's writes, pipeline stages
+    # included); meta.json is for people and tools.
+    meta = {"format": FORMAT, "step": int(step), "time": time.time(), "world_size": ctx.world_size,
+            "layout": dataclasses.asdict(mesh.dims), "torch": torch.__version__,
+            "optimizer": optimizer is not None, "config": state["config"]}
+    nonce = _shared_nonce(mesh)
+    final = os.path.join(run_dir, f"step-{step:06d}")
+    tmp = f"{final}.tmp-{nonce}"
+    what = f"saving checkpoint step {step} to {final}"
+
+    err = None
+    if lead:
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            _clean_stale(run_dir)  # left by a crashed save
+            os.makedirs(tmp)
+        except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
+            err = e
+    _agree(mesh, err, what)
+    try:
+        try:
+            io.save(tmp, tensors, tspecs, mesh)
+        except io.CheckpointIOError as e:  # raised on every rank alike: no agreement needed
+            raise CheckpointError(f"{what} failed: {e}") from None
+        try:
+            _save_rng(tmp, ctx.rank)
+        except Exception as e:  # noqa: BLE001
+            err = e
+        _agree(mesh, err, what)
+        if lead:
+            try:
+                _torch_save(state, os.path.join(tmp, STATE))
+                _fsync_write(os.path.join(tmp, META), json.dumps(meta, indent=1, default=str).encode())
+                _fsync_write(os.path.join(tmp, COMPLETE), f"{step}\n".encode())
+                _fsync_dir(tmp)
+                _publish(tmp, final, nonce)
+            except Exception as e:  # noqa: BLE001
+                err = e
+            if err is None and keep is not None:
+                try:
+                    _prune(run_dir, keep, final)
+                except OSError as e:  # the checkpoint itself is safe; do not fail the step for this
+                    warnings.warn(f"could not delete old checkpoints in {run_dir}: {e}", stacklevel=2)
+        _agree(mesh, err, what)
+    except BaseException:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+# -- load -----------------------------------------------------------------------------------
+def _check_params(saved: dict, params: dict, specs: dict, path: str, strict: bool, pp: int) -> None:
+    saved = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    for fqn, p in params.items():
+        if fqn not in saved:
+            raise CheckpointError(f"model parameter {fqn} is not in checkpoint {path} "
+                                  f"({len(saved)} parameters saved); was it saved from a different model?")
+        want, have = _full_shape(p, specs.get(fqn)), list(saved[fqn][0])
+        if want != have:
+            raise CheckpointError(f"parameter {fqn} has shape {have} in checkpoint {path} but {want} in the model; "
+                                  f"the model config differs from the one that saved it")
+    if strict and pp == 1:  # a pipeline stage holds only some of the parameters
+        unused = [k for k in saved if k not in params]
+        if unused:
+            raise CheckpointError(f"checkpoint {path} holds {len(unused)} parameter(s) the model lacks, e.g. "
+                                  f"{unused[0]}; pass strict=False to ignore them")
+
+
+def _optimizer_buffers(saved: dict, params: dict, specs: dict, path: str):
+    """Empty local buffers, in the current layout, for every saved optimizer tensor of our params.
+
+    A state tensor with the parameter's full shape was sharded like it (contract 2) and is
+    sharded like the parameter is now; any other (0-dim) is replicated."""
+    tensors, tspecs, where = {}, {}, {}
+    for fqn, p in params.items():
+        prefix = f"optim.{fqn}."
+        full = _full_shape(p, specs.get(fqn))
+        for key, (shape, dtype) in saved.items():
+            name = key[len(prefix):]
+            if not key.startswith(prefix) or "." in name:  # "." : a longer FQN sharing the prefix
+                continue
+            sharded = list(shape) == full and len(full) > 0
+            if not sharded and len(shape) > 0:
+                raise CheckpointError(f"optimizer state {fqn}.{name} has shape {list(shape)} in checkpoint {path} "
+                                      f"but the parameter is {full}")
+            where[key] = (fqn, name)
+            tensors[key] = torch.empty(p.shape if sharded else shape, dtype=dtype, device=p.device)
+            if sharded and fqn in specs:
+                tspecs[key] = specs[fqn]
+    return tensors, tspecs, where
+
+
+def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, restore_rng: bool = True) -> dict:
+    """Collective over the world: restore model, optimizer, RNG from `path` (a checkpoint, or a
+    run directory meaning its latest complete one), whatever layout saved it.
+
+    Returns {"path", "step", "scheduler_state", "extra", "config", "rng_restored"}. RNG states
+    come back only when the world size is unchanged (each rank takes its own stream back).
+    """
+    ctx = mesh.ctx
+    resolved, meta, err = None, None, None
+    try:
+        resolved = _resolve(path)
+        with open(os.path.join(resolved, META)) as f:
+            meta = json.load(f)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    _agree(mesh, err, f"loading checkpoint {path}")
+    step = torch.tensor([int(meta["step"])], dtype=torch.int64, device=ctx.device)
+    steps = comm.all_gather(step, mesh["world"]).tolist()
+    if len(set(steps)) > 1:
+        raise CheckpointError(f"ranks resolved {path} to different checkpoints (steps {steps}); "
+                              f"is the run directory on a filesystem every rank sees?")
+
+    params, specs = _param_specs(model, mesh)
+    tensors = {f"model.{k}": p.detach() for k, p in params.items()}
+    tspecs = {f"model.{k}": s for k, s in specs.items()}
+    try:
+        saved = io.saved_tensors(resolved)
+        _check_params(saved, params, specs, resolved, strict, mesh.dims.pp)
+        if optimizer is not None:
+            if not meta.get("optimizer"):
+                raise CheckpointError(f"checkpoint {resolved} has no optimizer state; "
+                                      f"pass optimizer=None to load weights only")
+            buffers, bspecs, where = _optimizer_buffers(saved, params, specs, resolved)
+            tensors.update(buffers)
+            tspecs.update(bspecs)
+        state = torch.load(os.path.join(resolved, STATE), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    _agree(mesh, err, f"loading checkpoint {resolved}")
+
+    try:
+        with torch.no_grad():
+            io.load(resolved, tensors, tspecs, mesh)
+    except io.CheckpointIOError as e:
+        raise CheckpointError(f"loading checkpoint {resolved} failed: {e}") from None
+    if optimizer is not None:
+        per: dict = dict(state["optimizer"])
+        for key, t in buffers.items():
+            fqn, name = where[key]
+            per.setdefault(fqn, {})[name] = t
+        optimizer.load_state_dict_per_param(per)  # collective over dp (each ZeRO rank keeps its slice)
+
+    rng_ok = restore_rng and meta["world_size"] == ctx.world_size
+    if rng_ok:
+        _set_rng_state(torch.load(os.path.join(resolved, RNG_DIR, f"rank-{ctx.rank:05d}.pt"), weights_only=True))
+    return {"path": resolved, "step": state["step"], "scheduler_state": state["scheduler_state"],
+            "extra": state["extra"], "config": state["config"], "rng_restored": rng_ok}
+
+
+# -- export ---------------------------------------------------------------------------------
+def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = None,
+                       metadata: dict[str, str] | None = None) -> list[str]:
+    """Collective over the world: write the full (unsharded) model as safetensors; returns the files.
+
+    One file at `path` when pp=1. With pipeline stages, each stage's first rank writes
+    `<stem>-0000s-of-0000P.safetensors` and rank 0 adds the Hugging Face index
+    `<path>.index.json` ({"weight_map": {name: file}}). `dtype` casts floating tensors.
+    """
+    params, specs = _param_specs(model, mesh)
+    c, pp = mesh.coords, mesh.dims.pp
+    stem = path[: -len(".safetensors")] if path.endswith(".safetensors") else path
+    files = [path] if pp == 1 else [f"{stem}-{s + 1:05d}-of-{pp:05d}.safetensors" for s in range(pp)]
+    err = None
+    if c["dp"] == 0 and c["cp"] == 0:  # one copy per stage is enough: its tp line gathers
+        full = {}
+        for name, p in params.items():
+            t = io.gather_full(p.detach(), specs.get(name), mesh)
+            full[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        if c["tp"] == 0:
+            try:
+                meta = {"format": "pt", "meshspeed_layout": json.dumps(dataclasses.asdict(mesh.dims))}
+                meta.update(metadata or {})
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                write_safetensors(files[c["pp"]], full, meta)
+            except Exception as e:  # noqa: BLE001
+                err = e
+    _agree(mesh, err, f"exporting safetensors to {path}")
+    if pp > 1:
+        if mesh.ctx.rank == 0:
+            try:
+                weight_map, total = {}, 0
+                for f in files:
+                    header = read_safetensors_header(f)
+                    weight_map.update({k: os.path.basename(f) for k in header})
+                    total += sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                _fsync_write(f"{stem}.safetensors.index.json", json.dumps(index, indent=1).encode())
+            except Exception as e:  # noqa: BLE001
+                err = e
+        _agree(mesh, err, f"writing the safetensors index for {path}")
+        files = files + [f"{stem}.safetensors.index.json"]
+    return files

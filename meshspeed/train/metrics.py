@@ -1,0 +1,110 @@
+"""What a run reports: metrics.jsonl, TensorBoard (when installed), a progress line, a loss plot.
+
+Only rank 0 writes. metrics.jsonl holds one JSON object per step (step, loss, lr, grad_norm,
+tokens_per_s, and val_loss when measured); it is the record that resume-equality and layout
+parity are checked against, so it is flushed every step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+
+def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to `lr`, then cosine decay to lr·min_ratio at `total` (a pure function of
+    the step, so a resumed run follows the same schedule)."""
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, total_steps: int, enabled: bool, log_interval: int = 10, resume_step: int = 0):
+        self.enabled, self.total, self.log_interval = enabled, total_steps, log_interval
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tty = sys.stderr.isatty()
+        self.t_start = time.monotonic()
+        self.start_step = resume_step
+        self.rows: list[dict] = []
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        # On resume keep the rows before the resume point and drop any written after it by the
+        # interrupted run, so the file reads as one uninterrupted run.
+        kept = []
+        if resume_step and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [r for r in map(json.loads, f) if r["step"] < resume_step]
+        self.rows = kept
+        with open(self.path, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        try:  # TensorBoard is optional: use it when the package is there
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        except Exception:  # noqa: BLE001 - ImportError, or tensorboard's own import errors
+            self._tb = None
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, row["step"])
+        self._progress(row)
+
+    def _progress(self, row: dict) -> None:
+        step = row["step"] + 1
+        done = step - self.start_step
+        elapsed = time.monotonic() - self.t_start
+        eta = elapsed / max(done, 1) * (self.total - step)
+        val = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
+        width = 24
+        filled = int(width * step / self.total)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} loss {row['loss']:.4f}{val} "
+                f"lr {row['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {eta:4.0f}s")
+        if self.tty:
+            print(f"\r{line}", end="\n" if step == self.total else "", file=sys.stderr, flush=True)
+        elif step % self.log_interval == 0 or step == self.total or "val_loss" in row:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+    def plot(self, path: str) -> str | None:
+        """Loss curve (train per step, validation where measured). None without matplotlib."""
+        if not self.enabled or not self.rows:
+            return None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        ax.plot([r["step"] for r in self.rows], [r["loss"] for r in self.rows], label="train", linewidth=1)
+        val = [r for r in self.rows if "val_loss" in r]
+        if val:
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
