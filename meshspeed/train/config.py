@@ -67,6 +67,8 @@ class TrainSection:
     grad_clip: float = opt(1.0, "global gradient-norm clip (0 = off)")
     eval_interval: int = opt(50, "steps between validation-loss measurements (0 = only at the end)")
     eval_batches: int = opt(4, "validation batches (of global_batch_size sequences) per measurement")
+    exit_interval: int = opt(0, "save a checkpoint and exit when the step is a multiple of this, before "
+                                "train.steps (0 = never); resume later with --checkpoint.resume latest")
 
 
 @dataclass
@@ -188,7 +190,7 @@ def validate(cfg: Config) -> None:
     for key, value in positive:
         if value < 1:
             raise ConfigError(f"{key}={value} must be ≥ 1")
-    for key, value in [("parallel.dp", p.dp), ("train.warmup_steps", t.warmup_steps),
+    for key, value in [("parallel.dp", p.dp), ("train.warmup_steps", t.warmup_steps), ("train.exit_interval", t.exit_interval),
                        ("checkpoint.interval", c.interval), ("train.eval_interval", t.eval_interval)]:
         if value < 0:
             raise ConfigError(f"{key}={value} must be ≥ 0")

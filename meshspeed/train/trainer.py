@@ -133,8 +133,11 @@ class Trainer:
             if step > self.start_step + 2:  # the first steps pay for warm-up, not steady state
                 tokens_per_s.append(row["tokens_per_s"])
             self.metrics.log(row)
-            if (c.interval and done % c.interval == 0) or done == t.steps:
+            exiting = bool(t.exit_interval) and done % t.exit_interval == 0 and done < t.steps
+            if (c.interval and done % c.interval == 0) or done == t.steps or exiting:
                 last_ckpt = self._save(done)
+            if exiting:
+                break
         summary = {"final_loss": row["loss"] if row else None, "val_loss": row.get("val_loss") if row else None,
                    "tokens_per_s": sum(tokens_per_s) / len(tokens_per_s) if tokens_per_s else None,
                    "metrics": self.metrics.path, "checkpoint": last_ckpt}
