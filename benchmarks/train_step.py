@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import json
 import os
 import statistics
@@ -160,10 +161,14 @@ def _torch_step(model, wrapped, opt, args):
 
 
 def _torch_memory(model, opt):
+    # The tensors the optimizer trains, not model.parameters(): after a forward,
+    # _pre_dp_module_transform's hook has put fresh (grad-less) Parameter objects on the model.
+    # (ZeroRedundancyOptimizer's param_groups hold every parameter, not only its partition.)
+    params = [p for g in opt.param_groups for p in g["params"]]
+
     def memory():
-        return {"state": counted_bytes(torch_opt_state(opt)),
-                "grads": counted_bytes(p.grad for p in model.parameters()),
-                "params": counted_bytes(model.parameters()), "api_agrees": True}
+        return {"state": counted_bytes(torch_opt_state(opt)), "grads": counted_bytes(p.grad for p in params),
+                "params": counted_bytes(params), "api_agrees": True}
 
     return memory
 
@@ -172,8 +177,12 @@ def _ddp(model, mesh, args):
     # peer being compared: torch's own data parallelism
     from torch.nn.parallel import DistributedDataParallel
 
+    # The only buffers are the constant RoPE tables: no per-forward buffer broadcast (torch 2.13
+    # renamed the switch; broadcast_buffers=False is the older spelling).
+    kw = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
+        DistributedDataParallel).parameters else {"broadcast_buffers": False}
     return DistributedDataParallel(model, process_group=mesh.device_mesh.get_group("dp"), bucket_cap_mb=args.bucket_mb,
-                                   gradient_as_bucket_view=True, broadcast_buffers=False)
+                                   gradient_as_bucket_view=True, **kw)
 
 
 def build_ddp(args, mesh) -> Runner:

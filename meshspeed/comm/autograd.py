@@ -75,26 +75,21 @@ class _GatherFrom(torch.autograd.Function):
         return _my_chunk(g, ctx.group, ctx.dim), None, None, None
 
 
-class _GatherSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, sizes):
-        ctx.group, ctx.dim = group, dim
-        return C.all_gather(x.contiguous(), group, dim, sizes=sizes)
+class _GatherSP(_GatherFrom):
+    """_GatherFrom's forward; the gradient is summed over members, not just sliced."""
 
     @staticmethod
     def backward(ctx, g):
         return C.reduce_scatter(g.contiguous(), ctx.group, "sum", ctx.dim), None, None, None
 
 
-class _ReduceScatterSP(torch.autograd.Function):
+class _ReduceScatterSP(_SplitTo):
+    """_SplitTo's backward (all-gather); the forward sums over members before slicing."""
+
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim, ctx.n = group, dim, x.shape[dim]
         return C.reduce_scatter(x.contiguous(), group, "sum", dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return C.all_gather(g.contiguous(), ctx.group, ctx.dim, sizes=_sizes(ctx.n, ctx.group)), None, None
 
 
 class _AllToAll(torch.autograd.Function):
