@@ -14,10 +14,11 @@ betas (0.9, 0.95), weight decay 0.1 on >= 2-D parameters, no gradient clipping o
 
 Before timing, each pair's losses on the first two steps are printed and compared (the second
 one checks the optimizer update too); a mismatch is flagged: comparing different computations
-would be worthless. Then the variants of a config run interleaved: each round times `--steps`
-steps of every variant, the order reversed every other round (A B, B A, ...), after
-`--warmup` untimed steps. A step's time is the slowest rank's. Reported: the median over
-rounds, and the ratio peer / meshspeed (> 1: meshspeed faster) as the median of the per-round
+would be worthless. Then, after `--warmup` untimed steps each, the variants of a config run
+interleaved step by step, the order reversed every other step (A B B A ...), `--steps` timed
+steps of each per round. A step's time is the slowest rank's (ranks start each timed step
+together); a round's value is the median of its steps. Reported: the median over rounds, and
+the ratio peer / meshspeed (> 1: meshspeed faster) as the median of the per-round
 ratios, with their range (2-core machines are noisy; read a ratio whose range straddles 1 as
 a tie). Memory is counted, not timed: storage bytes per rank (max over ranks) of optimizer
 state, gradients and parameters held between steps (after opt.step()).
@@ -29,10 +30,16 @@ Known differences, by design of each library (see the printed notes):
   - FSDP2 shards parameters too (ZeRO-3 layout); with the default reshard_after_forward=False
     it all-gathers them once per step and reduce-scatters gradients, the same traffic as
     meshspeed's zero=2 (reduce-scatter + all-gather of updated parameters).
-  - DDP is built with gradient_as_bucket_view=True and broadcast_buffers=False (the model's only
-    buffers are constant RoPE tables), its fastest settings; its first bucket is 1 MiB whatever
-    --bucket-mb says.
+  - On gloo, torch's reduce_scatter_tensor (what FSDP2 calls) is an all-reduce plus a slice,
+    twice the traffic; meshspeed runs its own ring reduce-scatter there. That is the peer's
+    real cost on this backend, not the benchmark's choice (on nccl both are native).
+  - DDP is built with gradient_as_bucket_view=True and no per-forward buffer sync (the model's
+    only buffers are constant RoPE tables), its fastest settings; its first bucket is 1 MiB
+    whatever --bucket-mb says. Over DTensor TP it composes through torch's
+    _pre_dp_module_transform (its TP + DDP recipe); with dp = 1 the TP peer has no DDP.
   - torch AdamW uses its fused CPU/CUDA kernel by default (the fastest torch has; --peer-adamw).
+    meshspeed's ZeroAdamW runs over flat buckets. At zero >= 1 it keeps an fp32 master of its
+    slice even for fp32 parameters, which the counted bytes show (torch: moments only).
   - --dtype bfloat16: meshspeed stores bf16 parameters with fp32 masters and fp32 gradient
     reduction; the peers use torch's idioms: fp32 parameters + autocast (DDP, DTensor TP) or
     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (FSDP2). Losses then agree only
@@ -313,8 +320,9 @@ def config_plan(name: str, args):
             [(f"dp={n} zero=1", "ms1", "zro"), (f"dp={n} zero=1", "ms1", "fsdp"), (f"dp={n} zero=2", "ms2", "fsdp")]
     sp = name == "tp-sp"
     dims = dict(dp=n // tp, tp=tp)
-    tag = f"dp={n // tp} tp={tp}" + (" sp" if sp else "")
-    peer = "DTensor TP" + ("+SP" if sp else "") + (" +DDP" if n // tp > 1 else "")
+    tag = (f"dp={n // tp} tp={tp}" if n % tp == 0 else f"tp={tp}") + (" sp" if sp else "")
+    peer = "DTensor TP" + ("+SP" if sp else "") + (" +DDP" if n // tp > 1 else "") + \
+        (" loss_parallel" if args.loss_parallel else "")
     return dims, [("mstp", "meshspeed", "meshspeed parallelize" + (" sp" if sp else ""),
                    lambda m: build_meshspeed(args, m, 0, tp, sp)),
                   ("dttp", "peer", peer, lambda m: build_dtensor_tp(args, m, sp))], [(tag, "mstp", "dttp")]
@@ -382,18 +390,22 @@ def run_config(ctx, name: str, args, log) -> dict:
             runners[key].step(*data[i % len(data)])
         res[key]["times_ms"] = []
     for r in range(args.rounds):
-        for key in (alive if r % 2 == 0 else alive[::-1]):
-            step = runners[key].step
-            gc.collect()
-            gc.disable()
-            comm.barrier(ctx.world)
-            t0 = time.perf_counter()
-            for s in range(args.steps):
-                step(*data[s % len(data)])
-            elapsed = time.perf_counter() - t0
-            gc.enable()
-            slowest = comm.all_reduce(torch.tensor([elapsed], dtype=torch.float64), ctx.world, "max").item()
-            res[key]["times_ms"].append(slowest / args.steps * 1e3)
+        local: dict[str, list[float]] = {key: [] for key in alive}
+        gc.collect()
+        gc.disable()
+        for s in range(args.steps):
+            # Interleaved step by step, the order reversed every other step (A B B A ...): a
+            # slow spell of the machine (seconds long on 2 shared cores) hits every variant alike.
+            for key in (alive if (r * args.steps + s) % 2 == 0 else alive[::-1]):
+                comm.barrier(ctx.world)  # every rank starts the step together
+                t0 = time.perf_counter()
+                runners[key].step(*data[s % len(data)])
+                local[key].append(time.perf_counter() - t0)
+        gc.enable()
+        for key in alive:
+            # A step takes as long as its slowest rank; a round's value is its median step.
+            slowest = comm.all_reduce(torch.tensor(local[key], dtype=torch.float64), ctx.world, "max")
+            res[key]["times_ms"].append(statistics.median(slowest.tolist()) * 1e3)
         log(f"  {name}: round {r + 1}/{args.rounds} done")
     runners.clear()
     gc.collect()
@@ -484,8 +496,7 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
     print(mhdr)
     print("-" * len(mhdr))
     for name, cfg in results.items():
-        dims = {"dp": f"dp={args.nproc}", "zero": f"dp={args.nproc}"}.get(
-            name, f"dp={args.nproc // args.tp} tp={args.tp}" + (" sp" if name == "tp-sp" else ""))
+        dims = cfg["rows"][0][0].replace(" zero=0", "").replace(" zero=1", "")
         for key, v in cfg["variants"].items():
             if v.get("error") or "memory" not in v:
                 continue
@@ -511,7 +522,8 @@ def parse_args(argv):
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype (default float32)")
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences, split over dp (default 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round (default 5)")
+    p.add_argument("--steps", type=int, default=6,
+                   help="timed steps per variant per round; the round's value is their median (default 6)")
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds; the median is reported (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before the rounds (default 3)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the tp configs (default 2; dp = nproc/tp)")
