@@ -168,6 +168,37 @@ class ZeroAdamW:
             b.data.copy_(full[0])
         self.step_count = int(state["__step__"])
 
+    @torch.no_grad()
+    def reset_state_where(self, param: torch.Tensor, where: torch.Tensor) -> int:
+        """Zero `param`, its fp32 master and both AdamW moments where `where` is True.
+
+        For dynamic sparse training (RigL/SET): a regrown weight starts at zero with no stale
+        moments. The master must be zeroed with the parameter, or the next step() would write
+        the old value back (bf16 parameters, ZeRO). `where`: bool in the parameter's local (tp)
+        shape, the same on every dp rank. No communication: each rank edits the state it holds.
+        Returns the number of positions reset.
+        """
+        names = self.__dict__.get("_names_by_id")
+        if names is None:
+            names = self._names_by_id = {id(p): n for n, p in self.dp.params.items()}
+        name = names.get(id(param))
+        if name is None:
+            raise KeyError("reset_state_where: the tensor is not one of this optimizer's parameters")
+        if tuple(where.shape) != tuple(param.shape):
+            raise ValueError(f"reset_state_where({name}): mask shape {list(where.shape)} != parameter "
+                             f"shape {list(param.shape)}")
+        dp, s = self.dp, self.dp.slots[name]
+        where = where.to(device=param.device, dtype=torch.bool)
+        param.data.masked_fill_(where, 0)  # a view into the bucket: every rank's copy of the weight
+        lo, hi = dp.opt_range(s.bucket)
+        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if a < b:  # the part of this parameter whose optimizer state this rank holds
+            sel = where.reshape(-1)[a - s.offset:b - s.offset]
+            st = self.shards[s.bucket]
+            for t in (st.master, st.exp_avg, st.exp_avg_sq):
+                t[a - lo:b - lo].masked_fill_(sel, 0)
+        return int(where.sum())
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (fp32 masters it owns + both moments)."""
         return sum(st.exp_avg.nbytes + st.exp_avg_sq.nbytes + (st.master.nbytes if st.owns_master else 0)

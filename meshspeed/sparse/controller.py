@@ -47,10 +47,13 @@ class UpdateRecord:
 
 
 class MaskController:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: SparsityConfig) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: SparsityConfig,
+                 *, target_list: list | None = None) -> None:
+        """`target_list`: (name, target) pairs to drive instead of `targets(model)`, e.g. views of
+        tensor-parallel shards as full weights (meshspeed.train.sparsity); same surface as a target."""
         self.model, self.optimizer, self.config = model, optimizer, config
         self.schedule = SparsitySchedule.from_config(config)
-        self.targets = targets(model)
+        self.targets = list(target_list) if target_list is not None else targets(model)
         if not self.targets:
             raise ValueError("MaskController: the model has no sparse layers; call sparsify(model, config) first")
         patterns = {t.nm for _, t in self.targets}

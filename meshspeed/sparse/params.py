@@ -42,7 +42,8 @@ REGISTRY_ATTR = "_meshspeed_sparse_params"
 
 
 class SparseParam:
-    """A mask attached to `module.<param_name>`; the mask is the buffer `<param_name>_mask`."""
+    """A mask attached to `module.<param_name>`; the mask is the buffer `<param_name>_mask`, or
+    `mask_name` (e.g. "mask" on a linear-like module, the FQN a SparseLinear would give it)."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class SparseParam:
         transposable: bool = False,
         sr_ste_lambda: float = 0.0,
         name: str = "",
+        mask_name: str | None = None,
     ) -> None:
         param = module._parameters.get(param_name)
         if not isinstance(param, nn.Parameter):
@@ -64,7 +66,7 @@ class SparseParam:
         self.module, self.param_name = module, param_name
         self.name = name or param_name
         self.nm, self.transposable, self.sr_ste_lambda = nm, transposable, float(sr_ste_lambda)
-        self.mask_name = f"{param_name}_mask"
+        self.mask_name = mask_name or f"{param_name}_mask"
         module.register_buffer(self.mask_name, torch.ones(param.shape, dtype=torch.bool, device=param.device))
         self.mask_version = 0
         self._all_kept = True

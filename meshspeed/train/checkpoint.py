@@ -2,8 +2,9 @@
 
 A checkpoint is a directory `run_dir/step-000100/`:
 
-    .metadata, __*_0.distcp   DCP: model params ("model.<fqn>") and optimizer state per param
-                              ("optim.<fqn>.<name>", contract 2), each rank writing its shards
+    .metadata, __*_0.distcp   DCP: model params and persistent buffers ("model.<fqn>"; e.g.
+                              sparsity masks) and optimizer state per param ("optim.<fqn>.<name>",
+                              contract 2), each rank writing its shards
     rng/rank-00003.pt         each rank's torch CPU/CUDA and Python RNG states
     state.pt                  step, scheduler state, extra, config, optimizer scalars (rank 0)
     meta.json                 readable summary: step, layout, world size, versions, config
@@ -182,6 +183,45 @@ def _param_specs(model, mesh) -> tuple[dict, dict[str, ShardSpec]]:
     return params, specs
 
 
+def _buffer_specs(model) -> tuple[dict, dict[str, ShardSpec]]:
+    """This rank's persistent buffers by FQN (sparsity masks, ...) and the shard spec of each
+    tagged one: a buffer laid out like a sharded parameter carries the same tags (contract 1)."""
+    buffers, specs = {}, {}
+    for mod_name, mod in model.named_modules():
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set:
+                continue
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            buffers[fqn] = b
+            placement, full = getattr(b, "_ms_placement", None), getattr(b, "_ms_full_shape", None)
+            if placement is None:
+                continue
+            if placement[0] != "tp" or full is None:
+                raise CheckpointError(f"buffer {fqn} has _ms_placement={placement!r} and _ms_full_shape={full!r}; "
+                                      f"checkpoints handle ('tp', dim) with the full shape set (parallel/CONTRACTS.md §1)")
+            specs[fqn] = ShardSpec("tp", placement[1] % b.dim(), torch.Size(full))
+    return buffers, specs
+
+
+def _check_buffers(saved: dict, buffers: dict, specs: dict, path: str, strict: bool) -> dict:
+    """The buffers to load: those in the checkpoint (all of them when strict)."""
+    out = {}
+    for fqn, b in buffers.items():
+        key = f"model.{fqn}"
+        if key not in saved:
+            if strict:
+                raise CheckpointError(f"model buffer {fqn} is not in checkpoint {path}; it was saved from a model "
+                                      f"without it (e.g. a dense run, where this one has sparsity masks); pass "
+                                      f"strict=False to keep this model's values")
+            continue
+        want, have = _full_shape(b, specs.get(fqn)), list(saved[key][0])
+        if want != have:
+            raise CheckpointError(f"buffer {fqn} has shape {have} in checkpoint {path} but {want} in the model; "
+                                  f"the model config differs from the one that saved it")
+        out[fqn] = b
+    return out
+
+
 def _full_shape(p, spec: ShardSpec | None) -> list[int]:
     return list(spec.full_shape if spec is not None else p.shape)
 
@@ -266,8 +306,9 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, schedule
     ctx = mesh.ctx
     lead = ctx.rank == 0
     params, specs = _param_specs(model, mesh)
-    tensors = {f"model.{k}": p for k, p in params.items()}
-    tspecs = {f"model.{k}": s for k, s in specs.items()}
+    buffers, bspecs = _buffer_specs(model)
+    tensors = {f"model.{k}": p for k, p in {**params, **buffers}.items()}
+    tspecs = {f"model.{k}": s for k, s in {**specs, **bspecs}.items()}
     state["optimizer"] = None
     if optimizer is not None:
         per = optimizer.state_dict_per_param()  # collective over dp (ZeRO gathers)
@@ -327,8 +368,9 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, schedule
 
 
 # -- load -----------------------------------------------------------------------------------
-def _check_params(saved: dict, params: dict, specs: dict, path: str, strict: bool, pp: int) -> None:
-    saved = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+def _check_params(saved: dict, params: dict, specs: dict, path: str, strict: bool, pp: int,
+                  buffers: dict | None = None) -> None:
+    saved = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.") and k[6:] not in (buffers or {})}
     for fqn, p in params.items():
         if fqn not in saved:
             raise CheckpointError(f"model parameter {fqn} is not in checkpoint {path} "
@@ -391,11 +433,16 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, r
                               f"is the run directory on a filesystem every rank sees?")
 
     params, specs = _param_specs(model, mesh)
+    buffers, bspecs = _buffer_specs(model)
     tensors = {f"model.{k}": p.detach() for k, p in params.items()}
     tspecs = {f"model.{k}": s for k, s in specs.items()}
     try:
         saved = io.saved_tensors(resolved)
-        _check_params(saved, params, specs, resolved, strict, mesh.dims.pp)
+        _check_params(saved, params, specs, resolved, strict, mesh.dims.pp, buffers)
+        for fqn, b in _check_buffers(saved, buffers, bspecs, resolved, strict).items():
+            tensors[f"model.{fqn}"] = b
+            if fqn in bspecs:
+                tspecs[f"model.{fqn}"] = bspecs[fqn]
         if optimizer is not None:
             if not meta.get("optimizer"):
                 raise CheckpointError(f"checkpoint {resolved} has no optimizer state; "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 from meshspeed.comm.errors import ConfigError
+from meshspeed.parallel.pipeline.schedules import SCHEDULES as PP_SCHEDULES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,6 +48,11 @@ class ParallelSection:
     sequence_parallel: bool = opt(False, "shard norm/dropout activations along the sequence over tp")
     zero: int = opt(0, "ZeRO stage: 0 off, 1 shard optimizer state, 2 also shard gradients", (0, 1, 2))
     bucket_mb: float = opt(25.0, "gradient bucket size for overlapped data-parallel reduction (MB)")
+    vpp: int = opt(1, "model chunks (virtual pipeline stages) per pipeline rank; ≥ 2 for the interleaved schedules")
+    pp_schedule: str = opt("1f1b", "pipeline schedule (see `meshspeed pipeline show --help`)", tuple(PP_SCHEDULES))
+    pp_layout: str = opt("", "layers per pipeline stage, e.g. 'E,t*8|t*8|t*8|t*7,L' or '8,8,8,7' (empty = even split)")
+    pp_trace: bool = opt(False, "record the last step's pipeline timeline: run.dir/pp_trace.json + PNGs, "
+                                "measured next to simulated")
 
 
 @dataclass
@@ -93,6 +99,28 @@ class CheckpointSection:
 
 
 @dataclass
+class SparsitySection:
+    pattern: str = opt("none", "sparse training: 'none' (dense), '2:4', 'unstructured' or any 'N:M' (1:4, 4:8...)")
+    target: float = opt(0.0, "global sparsity at the end of the ramp (0 = the pattern's: 1 - N/M, or 0.9 unstructured)")
+    schedule: str = opt("constant", "how the global target evolves after warmup", ("constant", "cosine", "cubic"))
+    update_interval: int = opt(100, "steps between mask updates (RigL's delta T)")
+    method: str = opt("magnitude", "mask update: re-pick top |W|; RigL/SET drop-and-grow (unstructured only); "
+                                   "SR-STE decay of pruned weights", ("magnitude", "rigl", "set", "sr-ste"))
+    layers: str = opt("layers.*.w?", "weights to sparsify: comma-separated globs over linear-module / expert-weight "
+                                     "names, or 're:<regex>' (default: attention, MLP and expert projections)")
+    warmup_steps: int = opt(0, "steps trained dense before masks apply")
+    ramp_steps: int = opt(0, "length of the cosine/cubic ramp (0 = half of train.steps)")
+    initial: float = opt(0.0, "sparsity where the cosine/cubic ramp starts")
+    dense_finish_steps: int = opt(0, "last steps of training run dense again")
+    distribution: str = opt("uniform", "per-layer unstructured sparsity before adapters", ("uniform", "erk"))
+    adapter: str = opt("none", "per-layer adapter moving sparsity between layers within the global budget",
+                       ("none", "magnitude", "gradient", "sensitivity"))
+    drop_fraction: float = opt(0.3, "RigL/SET: fraction of active weights dropped and regrown per update (cosine-annealed)")
+    sr_ste_lambda: float = opt(-1.0, "SR-STE decay of pruned weights (< 0 = 2e-4 for method sr-ste, else 0)")
+    transposable: bool = opt(True, "2:4 masks that are 2:4 along both dims (sparse input-gradient matmul too)")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -100,6 +128,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    sparsity: SparsitySection = field(default_factory=SparsitySection)
     nproc: int = opt(4, "local worker processes to spawn when not launched by torchrun")
 
     def to_dict(self) -> dict:
@@ -186,7 +215,7 @@ def validate(cfg: Config) -> None:
     t, p, c = cfg.train, cfg.parallel, cfg.checkpoint
     positive = [("train.steps", t.steps), ("train.global_batch_size", t.global_batch_size),
                 ("train.micro_batch_size", t.micro_batch_size), ("train.seq_len", t.seq_len),
-                ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("nproc", cfg.nproc)]
+                ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.vpp", p.vpp), ("nproc", cfg.nproc)]
     for key, value in positive:
         if value < 1:
             raise ConfigError(f"{key}={value} must be ≥ 1")
@@ -203,6 +232,10 @@ def validate(cfg: Config) -> None:
                           f"train.micro_batch_size={t.micro_batch_size}")
     if c.keep < 1:
         raise ConfigError(f"checkpoint.keep={c.keep} must be ≥ 1")
+    if cfg.sparsity.pattern != "none":
+        from meshspeed.train.sparsity import sparsity_config
+
+        sparsity_config(cfg.sparsity, total_steps=t.steps, seed=t.seed)  # one-line ConfigError if invalid
 
 
 def resolve_layout(cfg: Config, world_size: int) -> tuple[int, int]:
@@ -221,6 +254,8 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[int, int]:
         good = per_step * max(1, round(t.global_batch_size / per_step))
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size × dp "
                           f"= {t.micro_batch_size} × {dp} = {per_step}; e.g. train.global_batch_size={good}")
+    from meshspeed.train.pipeline import check  # schedule, microbatches, stage layout: before any worker starts
+    check(cfg, t.global_batch_size // per_step)
     return dp, t.global_batch_size // per_step
 
 

@@ -24,6 +24,8 @@ from meshspeed.train import checkpoint as ckpt
 from meshspeed.train import config as config_mod
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
 from meshspeed.train.metrics import MetricsLogger, lr_at
+from meshspeed.train.pipeline import TrainerPipeline
+from meshspeed.train.sparsity import build_sparsity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,9 +45,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         t, p = cfg.train, cfg.parallel
         dp, self.accum = config_mod.resolve_layout(cfg, ctx.world_size)
-        if p.pp > 1:
-            raise ConfigError(f"parallel.pp={p.pp}: the pipeline runtime is not in the trainer yet; use parallel.pp=1")
-        self.mesh = ParallelDims(dp=dp, tp=p.tp).build(ctx)
+        self.mesh = ParallelDims(dp=dp, pp=p.pp, tp=p.tp).build(ctx)
         self.lead = ctx.rank == 0
         overrides = cfg.model.overrides()
         base = get_preset(cfg.model.preset, **overrides)
@@ -53,11 +53,18 @@ class Trainer:
             base = get_preset(cfg.model.preset, **overrides, max_seq_len=t.seq_len)
         self.model_config = base
         torch.manual_seed(t.seed)
-        model = build_model(base, seed=t.seed, device=ctx.device)
-        self.model = parallelize(model, self.mesh, sequence_parallel=p.sequence_parallel)
+        # pp > 1: this rank's stage model (other stages' layers deleted, FQNs kept) + the schedule's runtime
+        self.pipeline = TrainerPipeline(cfg, self.mesh, base, self.accum, ctx.device) if p.pp > 1 else None
+        if self.pipeline is not None:
+            self.model = self.pipeline.model
+        else:
+            model = build_model(base, seed=t.seed, device=ctx.device)
+            self.model = parallelize(model, self.mesh, sequence_parallel=p.sequence_parallel)
         self.dp, self.opt = build_data_parallel(
             self.model, self.mesh, zero=p.zero, bucket_mb=p.bucket_mb, dtype=DTYPES[t.dtype], lr=t.lr,
             weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
+        # masks on the parallel model's weights (same Parameters); None when sparsity.pattern=none
+        self.sparsity = build_sparsity(cfg.sparsity, self.model, self.opt, self.mesh, total_steps=t.steps, seed=t.seed)
         train_tokens, val_tokens = load_tokens(cfg.data.path, cfg.data.format, max_mb=cfg.data.max_mb)
         coords = self.mesh.coords
         self.loader = GlobalBatchLoader(train_tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
@@ -76,11 +83,15 @@ class Trainer:
             raise ConfigError(f"checkpoint.resume=latest but {self.cfg.run.dir} holds no complete checkpoint; "
                               f"drop --checkpoint.resume or point --run.dir at the earlier run")
         state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh)
+        if self.sparsity is not None:
+            self.sparsity.load_state_dict((state["extra"] or {}).get("sparsity"))
         return int(state["step"])
 
     def _save(self, step: int) -> str:
         return ckpt.save_checkpoint(self.cfg.run.dir, step, self.model, self.opt, self.mesh,
-                                    extra={"config": self.cfg.to_dict()}, keep=self.cfg.checkpoint.keep)
+                                    extra={"config": self.cfg.to_dict(),
+                                           **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {})},
+                                    keep=self.cfg.checkpoint.keep)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
@@ -94,7 +105,9 @@ class Trainer:
         t0 = time.perf_counter()
         micro = list(self.loader.batches(step))
         total = torch.zeros((), dtype=torch.float64)
-        for i, (x, y) in enumerate(micro):
+        if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
+            total = self.pipeline.train_step(micro, self.dp, step)
+        for i, (x, y) in enumerate(micro if self.pipeline is None else []):
             last = i == len(micro) - 1
             with (contextlib.nullcontext() if last else self.dp.no_sync()):
                 loss, aux = self._loss(x, y)
@@ -104,14 +117,18 @@ class Trainer:
         self.dp.finish_grad_sync()
         norm = clip_grad_norm_(self.dp, t.grad_clip, self.mesh) if t.grad_clip > 0 else grad_norm(self.dp, self.mesh)
         self.opt.step()
+        # mask updates read this step's reduced (STE) gradients: after step(), before zero_grad()
+        sparse = self.sparsity.after_step(step) if self.sparsity is not None else {}
         self.opt.zero_grad()
         mean_loss = comm.all_reduce(total / len(micro), self.mesh["dp"], "avg").item()
         elapsed = time.perf_counter() - t0
         return {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(norm),
-                "tokens_per_s": t.global_batch_size * t.seq_len / elapsed}
+                "tokens_per_s": t.global_batch_size * t.seq_len / elapsed, **sparse}
 
     @torch.no_grad()
     def validate(self) -> float:
+        if self.pipeline is not None:
+            return self.pipeline.validate(self.val_loader)
         total, n = torch.zeros((), dtype=torch.float64), 0
         for b in range(self.val_loader.num_batches):
             for x, y in self.val_loader.batches(b):
@@ -153,7 +170,8 @@ class Trainer:
 def _print_summary(cfg: config_mod.Config, trainer: Trainer, s: dict) -> None:
     p = trainer.mesh.dims
     print(f"\nmeshspeed train: {cfg.model.preset} ({sum(x.numel() for x in trainer.model.parameters()):,} local params) "
-          f"on {trainer.ctx.world_size} ranks: dp {p.dp} × tp {p.tp}, zero {cfg.parallel.zero}, {cfg.train.dtype}")
+          f"on {trainer.ctx.world_size} ranks: {f'pp {p.pp} × ' if p.pp > 1 else ''}dp {p.dp} × tp {p.tp}, zero {cfg.parallel.zero}, "
+          f"{cfg.train.dtype}")
     if s["final_loss"] is not None:
         val = f", val loss {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
         print(f"  final train loss {s['final_loss']:.4f}{val}")
@@ -164,6 +182,8 @@ def _print_summary(cfg: config_mod.Config, trainer: Trainer, s: dict) -> None:
         print(f"  loss curve  {s['plot']}")
     if s["checkpoint"]:
         print(f"  checkpoint  {s['checkpoint']}")
+    if trainer.pipeline is not None and trainer.pipeline.trace_files:
+        print(f"  pp trace    {', '.join([trainer.pipeline.trace_files['json']] + trainer.pipeline.trace_files['png'])}")
     if s.get("safetensors"):
         print(f"  safetensors {s['safetensors']}")
 

@@ -1,6 +1,9 @@
 """Pipeline parallelism as data: schedules, communication insertion, validation, simulation,
-drawing and stage layouts. Pure Python; the runtime that executes a schedule over
-meshspeed.comm lives elsewhere and consumes these action lists.
+drawing and stage layouts. Pure Python, so `meshspeed pipeline show` needs no torch.
+
+The torch side is imported from its modules, not from here: stage.py (cut the model into
+stages), runtime.py (execute a schedule over meshspeed.comm; its p2p in stage_comm.py, the
+B/W split in split_backward.py) and trace.py (a real run's timeline next to the simulated one).
 """
 
 from meshspeed.parallel.pipeline.actions import (

@@ -110,7 +110,7 @@ def _shade(kind: str, chunk: int, vpp: int) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * t for c in base)
 
 
-def draw_png(result: SimResult, path: str, title: str | None = None) -> str:
+def draw_png(result: SimResult, path: str, title: str | None = None, xlabel: str = "time (cost units)") -> str:
     """Write a timeline PNG (one row per rank, time across). Returns the path."""
     try:
         import matplotlib
@@ -147,7 +147,7 @@ def draw_png(result: SimResult, path: str, title: str | None = None) -> str:
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {r}" for r in range(pp)])
     ax.set_xlim(0, makespan)
-    ax.set_xlabel("time (cost units)")
+    ax.set_xlabel(xlabel)
     ax.grid(axis="x", color="0.9", linewidth=0.5)
     ax.set_axisbelow(True)
     kinds = [F, B] + ([W] if result.split else [])

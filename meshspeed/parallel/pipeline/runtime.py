@@ -1,0 +1,262 @@
+"""Execute a pipeline schedule: this rank's action list, in order, over meshspeed.comm.
+
+    stages = build_stages(model_config, mesh, vpp=2, seed=0)          # stage.py
+    dp, opt = build_data_parallel(stages.model, mesh, ...)
+    rt = PipelineRuntime(stages, mesh, "interleaved", microbatches=8, micro_batch_size=2, seq_len=128)
+    loss_sum = rt.train_step(micro_batches, dp)                      # then clip, opt.step()
+
+The schedule (schedules.py, communication placed by comms.py, checked by validate.py) is the
+whole plan; the runtime adds no ordering of its own:
+- F: run the chunk on the microbatch (stage 0: tokens; else the received activations, made a
+  leaf that requires grad). The last stage computes the loss; each microbatch's backward
+  starts from loss / m (+ MoE aux / m), so gradients are those of the mean over microbatches,
+  exactly what the plain accumulation loop produces.
+- B: backward from the chunk's output, seeded by the received gradient. Split schedules
+  (zero-bubble) take only the input gradient here (split_backward.py) and W accumulates the
+  weight gradients later; every other schedule does the full backward in B.
+- SEND: isend, never waited until the step ends (reaped as they complete).
+- RECV: the irecv was posted one compute earlier, so the transfer overlaps that compute (on
+  gloo; see `prefetch`); the runtime waits at the spot the schedule placed the RECV.
+- Data parallelism: each chunk's last parameter-gradient action (its last B, or W when split)
+  runs outside dp.no_sync(), so the bucketed reduction of that chunk's gradients starts while
+  the pipeline drains; all earlier ones accumulate locally.
+
+The loss is computed on the last stage, summed over microbatches and broadcast over the pp
+group, so every rank reports the same number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from meshspeed import comm
+from meshspeed.parallel.pipeline.actions import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError, holder_of
+from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
+from meshspeed.parallel.pipeline.split_backward import WeightGrad, split_backward
+from meshspeed.parallel.pipeline.stage import PipelineStages
+from meshspeed.parallel.pipeline.stage_comm import StageComm
+from meshspeed.parallel.pipeline.validate import validate
+
+
+@dataclass
+class _Live:
+    """One (microbatch, chunk) between its F and its last backward piece."""
+
+    leaf: torch.Tensor | None  # the stage input (requires grad); None on the first stage
+    roots: list[torch.Tensor]  # backward starts here: output or loss / m, then aux / m
+    emb: torch.Tensor | None = None  # split, first stage: embedding output, its backward is W's
+    wgrad: WeightGrad | None = None
+
+
+class PipelineRuntime:
+    def __init__(self, stages: PipelineStages, mesh, schedule: str = "1f1b", microbatches: int = 1, *,
+                 micro_batch_size: int, seq_len: int, sequence_parallel: bool = False, trace: bool = False,
+                 prefetch: bool | None = None):
+        self.stages, self.mesh = stages, mesh
+        self.pp, self.vpp, self.rank = stages.pp, stages.vpp, stages.rank
+        self.name, self.microbatches = schedule, microbatches
+        self.split = get_schedule(schedule).split_backward
+        self.schedule = build_schedule(schedule, self.pp, self.vpp, microbatches)
+        validate(self.schedule, self.pp, self.vpp, microbatches, split=self.split)
+        self.actions = self.schedule[self.rank]
+        self.group = mesh["pp"]
+        self.device = torch.device(mesh.ctx.device)
+        tp = mesh["tp"].size
+        if sequence_parallel and seq_len % tp:
+            raise comm.ConfigError(f"sequence parallelism needs train.seq_len={seq_len} divisible by parallel.tp={tp}")
+        # [micro, seq(/tp), dim]: every message between stages has this shape
+        self.shape = (micro_batch_size, seq_len // tp if sequence_parallel else seq_len, stages.model.config.dim)
+        self.positions = torch.arange(seq_len, device=self.device)
+        # Posting receives early is safe on gloo, where each transfer progresses on its own.
+        # On stream-ordered transports (NCCL, HCCL) an early receive queues ahead of sends to
+        # the same peer, so there it is posted at its spot.
+        self.prefetch = (mesh.ctx.backend == "gloo") if prefetch is None else prefetch
+        self.comm = StageComm(self.group, self.device)
+        grad_kind = W if self.split else B
+        self._sync_at = {max(i for i, a in enumerate(self.actions) if a.kind == grad_kind and a.chunk == c)
+                         for c in range(self.vpp) if any(a.kind == grad_kind and a.chunk == c for a in self.actions)}
+        self._post_before: dict[int, list[int]] = defaultdict(list)
+        last_compute = 0
+        for i, a in enumerate(self.actions):
+            if a.is_compute:
+                last_compute = i
+            elif a.kind in (RECV_F, RECV_B):
+                self._post_before[last_compute if self.prefetch else i].append(i)
+        self.trace = trace
+        self.last_trace: list[tuple[float, float]] | None = None  # (start, end) per action, seconds
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.rank
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.stages.model.parameters()).dtype
+
+    def _key(self, a: Action) -> tuple[str, int, int]:
+        return (F if a.kind in (RECV_F, SEND_F) else B, a.microbatch, a.chunk)
+
+    def _emit(self, kind: str, mb: int, chunk: int, tensor: torch.Tensor) -> None:
+        """Hand `tensor` (activation if kind F, input gradient if B) to its consumer: kept for
+        the SEND action, or stored locally when the neighbouring stage is on this rank."""
+        stage = self._stage(chunk) + (1 if kind == F else -1)
+        rank, dst_chunk = holder_of(stage, self.pp)
+        if rank == self.rank:
+            self._inbox[(kind, mb, dst_chunk)] = tensor.detach()
+        else:
+            self._outbox[(kind, mb, chunk)] = tensor
+
+    def _take(self, kind: str, mb: int, chunk: int) -> torch.Tensor:
+        return self._inbox.pop((kind, mb, chunk))
+
+    # -- the step ---------------------------------------------------------------------------
+    def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], dp=None) -> torch.Tensor:
+        """Forward and backward of every microbatch by the schedule. Returns the sum over
+        microbatches of the cross-entropy (float64, CPU), the same on every rank; gradients
+        (of the mean) are left in the parameters / DP buckets."""
+        from meshspeed.parallel.tensor import loss_fn
+
+        if len(micro) != self.microbatches:
+            raise ScheduleError(f"pipeline runtime built for {self.microbatches} microbatches got {len(micro)}")
+        self._micro, self._dp = micro, dp
+        self._inbox: dict = {}
+        self._outbox: dict = {}
+        self._live: dict[tuple[int, int], _Live] = {}
+        self._losses: list[torch.Tensor] = []
+        self._loss_fn = loss_fn(self.stages.model) if self.stages.model.output is not None else None
+        dtype = self._dtype()
+        times = [] if self.trace else None
+        if self.trace:
+            comm.barrier(self.group)  # a common origin for the ranks' timelines
+        t_start = time.perf_counter()
+        for i, a in enumerate(self.actions):
+            for j in self._post_before.get(i, ()):
+                r = self.actions[j]
+                self.comm.post_recv((r.kind, r.microbatch, r.chunk), r.peer, self.shape, dtype)
+            t0 = time.perf_counter()
+            if a.kind in (RECV_F, RECV_B):
+                self._inbox[self._key(a)] = self.comm.take((a.kind, a.microbatch, a.chunk))
+            elif a.kind in (SEND_F, SEND_B):
+                self.comm.send(self._outbox.pop(self._key(a)), a.peer)
+            elif a.kind == F:
+                self._forward(a)
+            else:
+                sync = dp is None or i in self._sync_at
+                with contextlib.nullcontext() if sync else dp.no_sync():
+                    self._backward(a) if a.kind == B else self._weight(a)
+            if times is not None:
+                times.append((t0 - t_start, time.perf_counter() - t_start))
+        self.comm.drain()
+        if self._live or self._inbox or self._outbox:
+            raise RuntimeError(f"pipeline step ended with state left: live {list(self._live)[:4]}, "
+                               f"inbox {list(self._inbox)[:4]}, outbox {list(self._outbox)[:4]}")
+        self.last_trace = times
+        return self._reduce_losses()
+
+    def _reduce_losses(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in self._losses:
+            total += loss.double()
+        self._losses = []
+        # the last stage is on the last pipeline rank (stage pp*vpp - 1 = chunk vpp-1 of rank pp-1)
+        return comm.broadcast(total.reshape(1), self.group, src=self.pp - 1)[0].cpu()
+
+    def _forward(self, a: Action) -> None:
+        chunk = self.stages.chunks[a.chunk]
+        x, y = self._micro[a.microbatch]
+        leaf = emb = None
+        if chunk.is_first:
+            h = chunk.embed(x.to(self.device))
+            if self.split:  # W runs the embedding's backward (it is a weight gradient)
+                emb, h = h, h.detach().requires_grad_()
+                leaf = h
+        else:
+            h = leaf = self._take(F, a.microbatch, a.chunk).requires_grad_()
+        out = chunk.body(h, self.positions)
+        m = self.microbatches
+        if chunk.is_last:
+            loss = self._loss_fn(out, y.to(self.device))
+            self._losses.append(loss.detach())
+            roots = [loss / m]
+        else:
+            roots = [out]
+            self._emit(F, a.microbatch, a.chunk, out.detach().contiguous())
+        aux = chunk.aux_loss()
+        if aux is not None:
+            roots.append(aux / m)
+        self._live[(a.microbatch, a.chunk)] = _Live(leaf if not chunk.is_first or self.split else None,
+                                                    roots, emb)
+
+    def _backward(self, a: Action) -> None:
+        key = (a.microbatch, a.chunk)
+        chunk = self.stages.chunks[a.chunk]
+        live = self._live[key] if self.split else self._live.pop(key)
+        grads = [None] * len(live.roots)
+        if not chunk.is_last:
+            grads[0] = self._take(B, a.microbatch, a.chunk)
+        if not self.split:
+            torch.autograd.backward(live.roots, grads)
+            if live.leaf is not None:
+                self._emit(B, a.microbatch, a.chunk, live.leaf.grad)
+            return
+        inputs = [live.leaf] if live.leaf is not None else []
+        got, live.wgrad = split_backward(live.roots, grads, inputs, chunk.parameters())
+        if live.emb is not None:
+            # the embedding's backward is seeded by the gradient at its output: part of W
+            live.wgrad.groups.append(([live.emb], [got[0]], [chunk.model.tok_embeddings.weight]))
+        elif inputs:
+            self._emit(B, a.microbatch, a.chunk, got[0])
+        live.roots, live.leaf = [], None  # W holds what it needs
+
+    def _weight(self, a: Action) -> None:
+        live = self._live.pop((a.microbatch, a.chunk))
+        live.wgrad.run()
+
+    def gathered_trace(self) -> list[list[tuple[float, float]]]:
+        """Every pipeline rank's last_trace (collective over the pp group): times[rank][i] is
+        (start, end) of self.schedule[rank][i] in seconds from the common step start."""
+        if self.last_trace is None:
+            raise RuntimeError("no pipeline trace recorded: build the runtime with trace=True and run a step")
+        n = max(len(a) for a in self.schedule)
+        mine = torch.zeros(n, 2, dtype=torch.float64)
+        mine[:len(self.last_trace)] = torch.tensor(self.last_trace, dtype=torch.float64)
+        every = comm.all_gather(mine.to(self.device), self.group).cpu().view(self.pp, n, 2)
+        return [[tuple(every[r, i].tolist()) for i in range(len(self.schedule[r]))] for r in range(self.pp)]
+
+    # -- forward only -----------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Sum over `micro` of the cross-entropy, forward only (float64, CPU, on every rank).
+        Chunk-major order (all microbatches through chunk 0, then chunk 1, ...): every rank
+        only waits for activations already sent, so no schedule is needed."""
+        from meshspeed.parallel.tensor import loss_fn
+
+        fn = loss_fn(self.stages.model) if self.stages.model.output is not None else None
+        dtype = self._dtype()
+        self._inbox, self._losses = {}, []
+        for c, chunk in enumerate(self.stages.chunks):
+            stage = self._stage(c)
+            for mb, (x, y) in enumerate(micro):
+                if chunk.is_first:
+                    h = chunk.embed(x.to(self.device))
+                elif holder_of(stage - 1, self.pp)[0] == self.rank:
+                    h = self._inbox.pop((F, mb, c))
+                else:
+                    key = ("eval", mb, c)
+                    self.comm.post_recv(key, holder_of(stage - 1, self.pp)[0], self.shape, dtype)
+                    h = self.comm.take(key)
+                out = chunk.body(h, self.positions)
+                if chunk.is_last:
+                    self._losses.append(fn(out, y.to(self.device)))
+                    continue
+                rank, dst_chunk = holder_of(stage + 1, self.pp)
+                if rank == self.rank:
+                    self._inbox[(F, mb, dst_chunk)] = out
+                else:
+                    self.comm.send(out, rank)
+        self.comm.drain()
+        return self._reduce_losses()

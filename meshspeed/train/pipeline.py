@@ -1,0 +1,111 @@
+"""Pipeline parallelism in the trainer: start-up checks, building the stages, the step.
+
+The trainer keeps its shape: with parallel.pp > 1 its model is this rank's *stage model*
+(the single-device Transformer with the layers other stages hold deleted, FQNs unchanged), so
+data parallelism, the optimizer, clipping and checkpoints work on it unchanged; only the
+micro-batch loop and validation go through the pipeline runtime. Micro-batches per step =
+global_batch_size / (micro_batch_size * dp), as without pipelining.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from meshspeed import comm
+from meshspeed.comm import ConfigError
+from meshspeed.parallel.pipeline.actions import ScheduleError
+from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
+from meshspeed.parallel.pipeline.validate import validate
+
+
+def model_config(cfg):
+    """The ModelConfig the trainer builds (preset + overrides, max_seq_len raised to seq_len)."""
+    from meshspeed.models import get_preset
+
+    overrides = cfg.model.overrides()
+    base = get_preset(cfg.model.preset, **overrides)
+    if cfg.train.seq_len > base.max_seq_len:
+        base = get_preset(cfg.model.preset, **overrides, max_seq_len=cfg.train.seq_len)
+    return base
+
+
+def check(cfg, microbatches: int) -> None:
+    """Everything about the pipeline settings that can be wrong, as one ConfigError line,
+    before any process is started: schedule vs vpp, microbatches the schedule needs, the
+    stage layout (layers vs pp*vpp, empty stages), tied embeddings."""
+    from meshspeed.parallel.pipeline.stage import stage_layouts
+
+    p = cfg.parallel
+    if p.pp == 1:
+        for key, value, default in (("vpp", p.vpp, 1), ("pp_layout", p.pp_layout, "")):
+            if value != default:
+                raise ConfigError(f"parallel.{key}={value!r} needs parallel.pp > 1 (pipeline stages); "
+                                  f"set --parallel.pp 2 or leave parallel.{key} at {default!r}")
+        return
+    key = f"parallel.pp_schedule={p.pp_schedule}"
+    try:
+        fn = get_schedule(p.pp_schedule)
+        if fn.interleaved and p.vpp < 2:
+            raise ScheduleError(f"needs parallel.vpp >= 2 model chunks per rank (got vpp={p.vpp}); "
+                                f"set --parallel.vpp 2 or use --parallel.pp_schedule 1f1b")
+        if not fn.interleaved and p.vpp != 1:
+            raise ScheduleError(f"runs one model chunk per rank but parallel.vpp={p.vpp}; use --parallel.vpp 1 or "
+                                f"--parallel.pp_schedule interleaved")
+        schedule = build_schedule(p.pp_schedule, p.pp, p.vpp, microbatches)
+        validate(schedule, p.pp, p.vpp, microbatches, split=fn.split_backward)
+    except ScheduleError as e:
+        msg = str(e).split(": ", 1)[1] if str(e).startswith(p.pp_schedule + ":") else str(e)
+        per = cfg.train.global_batch_size // microbatches
+        # the schedule's own hint is in microbatches; the trainer's knob is the global batch
+        msg = re.sub(r"use e\.g\. --microbatches (\d+)", lambda h: f"e.g. train.global_batch_size={int(h.group(1)) * per}", msg)
+        raise ConfigError(f"{key} with {microbatches} microbatches (train.global_batch_size / (micro_batch_size × dp) "
+                          f"= {cfg.train.global_batch_size} / {per}): {msg}") from None
+    stage_layouts(model_config(cfg), p.pp, p.vpp, p.pp_layout)  # raises ConfigError lines
+
+
+class TrainerPipeline:
+    """This rank's stages and runtime, plus what the trainer's step and validation need."""
+
+    def __init__(self, cfg, mesh, config, microbatches: int, device):
+        from meshspeed.parallel.pipeline.runtime import PipelineRuntime
+        from meshspeed.parallel.pipeline.stage import build_stages
+
+        p, t = cfg.parallel, cfg.train
+        self.cfg, self.mesh = cfg, mesh
+        self.stages = build_stages(config, mesh, vpp=p.vpp, layout=p.pp_layout, seed=t.seed, device=device,
+                                   sequence_parallel=p.sequence_parallel)
+        self.model = self.stages.model
+        self.runtime = PipelineRuntime(self.stages, mesh, p.pp_schedule, microbatches,
+                                       micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+                                       sequence_parallel=p.sequence_parallel, trace=p.pp_trace)
+        self.trace_files: dict | None = None
+
+    def train_step(self, micro, dp, step: int) -> torch.Tensor:
+        """Sum over this rank's micro-batches of the loss (float64, CPU; same on all pp ranks)."""
+        total = self.runtime.train_step(micro, dp)
+        if self.cfg.parallel.pp_trace and step == self.cfg.train.steps - 1:
+            self.trace_files = self.write_trace(step)
+        return total
+
+    def validate(self, val_loader) -> float:
+        total, n = torch.zeros((), dtype=torch.float64), 0
+        for b in range(val_loader.num_batches):
+            micro = val_loader.batches(b)
+            total += self.runtime.evaluate(micro)
+            n += len(micro)
+        return comm.all_reduce(total / max(n, 1), self.mesh["dp"], "avg").item()
+
+    def write_trace(self, step: int) -> dict | None:
+        """Gather the last step's per-action times over the pp group; the first rank writes
+        run_dir/pp_trace.json (+ PNGs). Collective over the pp group."""
+        from meshspeed.parallel.pipeline.trace import measured_result, write_trace
+
+        rt = self.runtime
+        times = rt.gathered_trace()
+        if self.mesh.ctx.rank != 0:
+            return None
+        result = measured_result(rt.name, rt.schedule, times, rt.pp, rt.vpp, rt.microbatches, rt.split)
+        return write_trace(os.path.join(self.cfg.run.dir), result, step)

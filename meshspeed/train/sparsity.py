@@ -1,0 +1,263 @@
+"""Dynamic sparse training in the trainer: the [sparsity] section applied to the parallel model.
+
+    hook = build_sparsity(cfg.sparsity, model, opt, mesh, total_steps=..., seed=...)  # or None
+    ... loss.backward(); opt.step(); metrics |= hook.after_step(step); opt.zero_grad()
+
+Targets. After tensor and data parallelism are applied, the weights whose names match
+`sparsity.layers` get a mask: a plain nn.Linear (tp 1, or a linear the tp plan leaves whole)
+becomes a SparseLinear (2:4 sparse kernels on CUDA), a Column/RowParallelLinear or a stacked
+expert weight [E, out, in] gets a SparseParam (masked in a forward pre-hook; each expert its own
+mask). Both keep the Parameter objects, which DataParallel has made views into its buckets.
+
+Masks are computed on the FULL logical weight. At an update every rank gathers each sparse
+weight (and, for RigL and gradient adapters, its reduced gradient) over tp, runs the core
+MaskController on it, and keeps its torch.chunk piece of the result. Every tp rank computes
+the same mask from the same full tensors, and every dp rank too (weights and reduced gradients
+are identical across dp, SET's generator is seeded alike), so no mask is ever communicated.
+N:M groups must not straddle a shard boundary (checked at build, one-line error).
+
+Weights under a mask are not zeroed: the forward multiplies by the mask and the straight-through
+gradient keeps training them, so the parameter and its fp32 master stay one value. The one
+in-place write is RigL/SET regrowth, which zeroes the regrown weights AND their master and AdamW
+moments (ZeroAdamW.reset_state_where), so bf16 storage or ZeRO cannot bring the old value back.
+
+Masks are persistent buffers (`<linear>.mask` whatever the layout, `<experts>.w1_mask`) tagged like their
+parameter (CONTRACTS.md §1), so checkpoints save and reshard them; `state_dict()` holds the
+controller's position, its RNG and the SR-STE decays for the checkpoint's `extra`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch
+from torch import nn
+
+from meshspeed.comm import ConfigError
+from meshspeed.models.moe import GroupedExperts
+from meshspeed.parallel.tensor import ColumnParallelLinear, RowParallelLinear, full_tensor
+from meshspeed.sparse import MaskController, SparseLinear, SparseParam, SparsityConfig, check_shardable
+from meshspeed.sparse import report as sparse_report
+from meshspeed.sparse.rigl import reset_regrown
+
+GRAD_ADAPTERS = ("gradient", "sensitivity")
+
+
+def sparsity_config(section, *, total_steps: int | None = None, seed: int = 0) -> SparsityConfig | None:
+    """The core SparsityConfig of a [sparsity] section (None for pattern 'none'); ConfigError if invalid."""
+    if section.pattern == "none":
+        return None
+    ramp = section.ramp_steps or max(1, (total_steps or 2) // 2)
+    try:
+        return SparsityConfig(
+            pattern=section.pattern, target=section.target or None, initial=section.initial,
+            schedule=section.schedule, ramp_steps=ramp, total_steps=total_steps,
+            update_interval=section.update_interval, method=section.method, layers=section.layers,
+            sr_ste_lambda=None if section.sr_ste_lambda < 0 else section.sr_ste_lambda,
+            warmup_steps=section.warmup_steps, dense_finish_steps=section.dense_finish_steps,
+            distribution=section.distribution, adapter=section.adapter, drop_fraction=section.drop_fraction,
+            transposable=section.transposable, seed=seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _matcher(spec: str):
+    if spec.startswith("re:"):
+        regex = re.compile(spec[3:])
+        return lambda name: regex.search(name) is not None
+    globs = [g.strip() for g in spec.split(",") if g.strip()]
+    return lambda name: any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(target name, module, parameter name) of every weight that can take a mask, in model order."""
+    out = []
+    for fqn, mod in model.named_modules():
+        if type(mod) is nn.Linear or isinstance(mod, (ColumnParallelLinear, RowParallelLinear, SparseLinear)):
+            out.append((fqn, mod, "weight"))
+        elif isinstance(mod, GroupedExperts):
+            out += [(f"{fqn}.{p}", mod, p) for p in ("w1", "w2", "w3")]
+    return out
+
+
+def _gather_mask(mask: torch.Tensor, group, placement, full_shape) -> torch.Tensor:
+    if placement is None or group.size == 1:
+        return mask.clone()
+    # gloo has no bool collectives: move the mask as bytes
+    return full_tensor(mask.to(torch.uint8), group, placement, full_shape).bool()
+
+
+class _FullView:
+    """A sparse target seen as its full logical weight, with the surface MaskController reads
+    (name, weight[.grad], mask, nm, transposable, groups, sr_ste_lambda, set_mask).
+
+    The full weight is gathered over tp at its first access in an update and released when the
+    new mask is set, so an update holds one full weight at a time (all of them only with an
+    adapter, which scores every layer first). The full mask is kept (bool, 1 byte/weight)."""
+
+    def __init__(self, name: str, local, group, need_grad: bool):
+        self.name, self.local, self.group, self.need_grad = name, local, group, need_grad
+        p = local.weight
+        self.placement = getattr(p, "_ms_placement", None)
+        if self.placement is not None and self.placement[0] != "tp":
+            raise ConfigError(f"{name}: sparse training knows ('tp', dim) placements, not {self.placement!r}")
+        self.full_shape = torch.Size(getattr(p, "_ms_full_shape", p.shape))
+        self.nm, self.transposable = local.nm, local.transposable
+        self._w: torch.Tensor | None = None
+        self.mask = _gather_mask(local.mask, group, self.placement, self.full_shape)
+        if self.placement is not None:  # checkpoints shard the mask like its weight
+            local.mask._ms_placement = self.placement
+            local.mask._ms_full_shape = self.full_shape
+
+    @property
+    def groups(self) -> int:
+        return self.full_shape[0] if len(self.full_shape) > 2 else 1
+
+    @property
+    def sr_ste_lambda(self) -> float:
+        return self.local.sr_ste_lambda
+
+    @sr_ste_lambda.setter
+    def sr_ste_lambda(self, value: float) -> None:
+        self.local.sr_ste_lambda = float(value)
+
+    def _full(self, t: torch.Tensor) -> torch.Tensor:
+        return full_tensor(t.detach(), self.group, self.placement, self.full_shape)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self._w is None:
+            p = self.local.weight
+            w = self._full(p).float()
+            if w.data_ptr() == p.data_ptr():
+                w = w.clone()  # RigL zeroes regrown entries of this copy; the real reset is ours
+            if self.need_grad:
+                g = getattr(p, "main_grad", None)  # bf16 parameters keep their fp32 gradient there
+                g = g if g is not None else p.grad
+                w.grad = None if g is None else self._full(g).float()
+            self._w = w
+        return self._w
+
+    def local_piece(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's torch.chunk piece of a full-shape tensor (the split of the parameter)."""
+        if self.placement is None or self.group.size == 1:
+            return full
+        dim = self.placement[1] % len(self.full_shape)
+        return torch.chunk(full, self.group.size, dim=dim)[self.group.rank].contiguous()
+
+    def set_mask(self, mask: torch.Tensor, *, check: bool = True) -> None:
+        self.mask = mask.to(torch.bool)
+        self.local.set_mask(self.local_piece(self.mask), check=check)
+        self._w = None
+
+
+class SparsityHook:
+    """Drives the masks of a sparsified parallel model; built by `build_sparsity`."""
+
+    def __init__(self, model: nn.Module, config: SparsityConfig, views: list[_FullView], optimizer):
+        self.model, self.config, self.views, self.optimizer = model, config, views, optimizer
+        try:
+            self.controller = MaskController(model, None, config, target_list=[(v.name, v) for v in views])
+        except ValueError as err:  # a shape the pattern cannot take, named by the core
+            raise ConfigError(str(err)) from None
+        self.regrown = 0  # weights reset by RigL/SET regrowth so far (this process)
+        self._sparsity = self._measure()
+
+    def _measure(self) -> float:
+        """Parameter-weighted sparsity of all masks (full weights)."""
+        zeros = sum(int((~v.mask).sum()) for v in self.views)
+        return zeros / sum(v.mask.numel() for v in self.views)
+
+    def after_step(self, step: int) -> dict:
+        """Call after opt.step() and before zero_grad() of 0-based training step `step`: updates
+        the masks when step + 1 steps are done and that is an update step (collective over tp
+        then). Returns {"sparsity"} and, at updates, {"flip_rate"} for the metrics."""
+        done = step + 1
+        ctl = self.controller
+        if not ctl.should_update(done):
+            return {"sparsity": self._sparsity}
+        old = {v.name: v.mask for v in self.views}
+        record = ctl.step(done)
+        for v in self.views:
+            if record.layers[v.name].regrown:
+                self._reset(v, v.local_piece(v.mask & ~old[v.name]))
+        self._sparsity = self._measure()
+        return {"sparsity": self._sparsity, "flip_rate": record.flip_rate}
+
+    def _reset(self, view: _FullView, where: torch.Tensor) -> None:
+        """Regrown weights start at zero with zero optimizer state (weight, master, moments)."""
+        opt = self.optimizer
+        if hasattr(opt, "reset_state_where"):
+            self.regrown += opt.reset_state_where(view.local.weight, where)
+        else:  # a torch optimizer: per-element state shaped like the parameter
+            self.regrown += reset_regrown(view.local.weight, where, opt)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain data for the checkpoint's `extra` (the masks themselves are model buffers)."""
+        return {"controller": self.controller.state_dict(),
+                "sr_ste_lambda": {v.name: float(v.sr_ste_lambda) for v in self.views}}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """After the model's buffers were loaded: re-install the local masks (refreshing each
+        layer's cached state: DCP writes buffers in place), re-gather the full ones (collective
+        over tp) and restore the controller's position."""
+        for v in self.views:
+            v.local.set_mask(v.local.mask.clone())
+            v.mask = _gather_mask(v.local.mask, v.group, v.placement, v.full_shape)
+        if state is not None:
+            self.controller.load_state_dict(state["controller"])
+            for v in self.views:
+                v.sr_ste_lambda = state["sr_ste_lambda"][v.name]
+        self._sparsity = self._measure()
+
+    def report(self) -> str:
+        """Per-layer sparsity and matmul path (local shards)."""
+        return sparse_report(self.model)
+
+
+def build_sparsity(section, model: nn.Module, optimizer, mesh, *, total_steps: int | None = None,
+                   seed: int = 0) -> SparsityHook | None:
+    """Attach masks to the matching weights of the (tensor- and data-parallel) `model` and return
+    the hook driving them, or None when section.pattern is 'none'. Collective over tp."""
+    config = sparsity_config(section, total_steps=total_steps, seed=seed)
+    if config is None:
+        return None
+    need_grad = config.method == "rigl" or config.adapter in GRAD_ADAPTERS
+    dp = getattr(optimizer, "dp", None)
+    if need_grad and dp is not None and dp.zero == 2 and dp.group.size > 1:
+        why = "sparsity.method=rigl" if config.method == "rigl" else f"sparsity.adapter={config.adapter}"
+        raise ConfigError(f"{why} reads the full reduced gradient, but parallel.zero=2 keeps only 1/dp of it; "
+                          f"use parallel.zero 0 or 1")
+    group = mesh["tp"]
+    match = _matcher(section.layers)
+    chosen = [c for c in _candidates(model) if match(c[0])]
+    if not chosen:
+        raise ConfigError(f"sparsity.layers={section.layers!r} matches no linear or expert weight; names look like "
+                          f"{', '.join(n for n, _, _ in _candidates(model)[:4])}")
+    views = []
+    for name, mod, pname in chosen:
+        p = getattr(mod, pname)
+        placement = getattr(p, "_ms_placement", None)
+        if placement is not None and config.nm is not None:
+            try:
+                check_shardable(name, p._ms_full_shape, placement[1], group.size, config.nm,
+                                transposable=config.use_transposable)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        kw = dict(nm=config.nm, transposable=config.use_transposable, sr_ste_lambda=config.sr_ste_lambda)
+        if isinstance(mod, SparseLinear):
+            local = mod  # already sparse (sparsified before parallelism): drive it as it is
+        elif type(mod) is nn.Linear:
+            local = SparseLinear.from_linear(mod, use_sparse_kernels=config.use_sparse_kernels, **kw)
+            local.name = name
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, local)
+        else:  # a tp linear keeps its mask under the name a SparseLinear's has: checkpoints reshard
+            local = SparseParam(mod, pname, name=name, mask_name="mask" if pname == "weight" else None, **kw)
+        views.append(_FullView(name, local, group, need_grad))
+    return SparsityHook(model, config, views, optimizer)
+
+
+__all__ = ["SparsityHook", "build_sparsity", "sparsity_config"]
