@@ -9,11 +9,11 @@ a schedule decides).
 Part 1, bubble: for each schedule the runtime records every action's start and end on every
 rank (common origin after a barrier). Of the --steps timed steps, the median-makespan one is
 reported: its measured bubble (idle / (pp * makespan)), and the bubble the simulator predicts
-for the same schedule fed the measured mean F / B / W times (p2p = 0), plus the unit-cost
-closed form. Measured minus simulated is what the schedule does not explain: p2p latency,
-Python overhead between actions, and (with more workers than cores) ranks competing for
-cores; stage imbalance too, since the simulator gives every rank the mean cost while the last
-stage also runs the head and loss.
+for the same schedule fed the measured mean F / B / W times and p2p delivery time (and with
+p2p = 0), plus the unit-cost closed form. Measured minus simulated is what the costs do not
+explain: Python overhead between actions, p2p times varying from message to message, ranks
+competing for cores (more workers than cores), and stage imbalance, since the simulator gives
+every rank the mean cost while the last stage also runs the head and loss.
 
 Part 2, peer: meshspeed 1F1B and interleaved (vpp 2) against torch.distributed.pipelining's
 Schedule1F1B and ScheduleInterleaved1F1B running the very same stage modules. Both losses of
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshspeed import comm  # noqa: E402
 from meshspeed.models import cross_entropy_loss, get_preset  # noqa: E402
-from meshspeed.parallel.pipeline import Costs, closed_form  # noqa: E402
+from meshspeed.parallel.pipeline import Costs, closed_form, simulate  # noqa: E402
 from meshspeed.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from meshspeed.parallel.pipeline.stage import build_stages  # noqa: E402
 from meshspeed.parallel.pipeline.trace import compare, measured_result  # noqa: E402
@@ -152,11 +152,14 @@ def bubble_part(ctx, mesh, args, log) -> list[dict]:
             from meshspeed.parallel.pipeline.trace import write_trace
 
             write_trace(os.path.join(args.png, name), med, step=-1)  # pp_trace.json + measured / simulated PNGs
+        c = med.costs
+        sim0 = simulate(med.schedule, args.pp, vpp, Costs(c.f, c.b, c.w, 0.0), split=med.split)
         unit = closed_form(name, args.pp, vpp, args.microbatches, Costs())
         rows.append({"schedule": name, "vpp": vpp, "makespan_ms": med.makespan * 1e3,
                      "sim_makespan_ms": float(sim.makespan) * 1e3, "bubble": float(med.bubble),
-                     "sim_bubble": float(sim.bubble), "unit_bubble": float(unit[0]) if unit else None,
-                     "costs_ms": {k: getattr(med.costs, k) * 1e3 for k in ("f", "b", "w")},
+                     "sim_bubble": float(sim.bubble), "sim_bubble_no_p2p": float(sim0.bubble),
+                     "unit_bubble": float(unit[0]) if unit else None,
+                     "costs_ms": {k: getattr(med.costs, k) * 1e3 for k in ("f", "b", "w", "p2p")},
                      "busy_ms": [b * 1e3 for b in med.busy]})
         log(f"  {name}: measured bubble {float(med.bubble):.3f}, simulated {float(sim.bubble):.3f}")
         del rt, step
@@ -230,15 +233,18 @@ def report(res: dict, args) -> None:
     if res.get("bubble"):
         print(f"\nbubble: pp={args.pp} m={args.microbatches}, {args.layers} layers of dim {args.dim}, micro {args.micro} x "
               f"seq {args.seq_len}; median-makespan step of {args.steps}")
-        head = ("schedule", "vpp", "F/B/W ms (rank share)", "makespan ms", "sim ms", "bubble", "sim bubble", "unit-cost")
+        head = ("schedule", "vpp", "F/B/W ms (rank share)", "p2p ms", "makespan ms", "sim ms", "bubble", "sim bubble",
+                "sim, p2p 0", "unit-cost")
         rows = []
         for r in res["bubble"]:
             c = r["costs_ms"]
-            rows.append((r["schedule"], str(r["vpp"]), f"{c['f']:.1f}/{c['b']:.1f}/{c['w']:.1f}", f"{r['makespan_ms']:.1f}",
-                         f"{r['sim_makespan_ms']:.1f}", f"{r['bubble']:.3f}", f"{r['sim_bubble']:.3f}",
+            rows.append((r["schedule"], str(r["vpp"]), f"{c['f']:.1f}/{c['b']:.1f}/{c['w']:.1f}", f"{c['p2p']:.2f}",
+                         f"{r['makespan_ms']:.1f}", f"{r['sim_makespan_ms']:.1f}", f"{r['bubble']:.3f}",
+                         f"{r['sim_bubble']:.3f}", f"{r['sim_bubble_no_p2p']:.3f}",
                          f"{r['unit_bubble']:.3f}" if r["unit_bubble"] is not None else "-"))
         _table(head, rows)
-        print("sim = the same schedule simulated with the measured mean F/B/W (p2p 0); unit-cost = closed form, f=b=w")
+        print("sim = the same schedule simulated with the measured mean F/B/W and p2p (median delivery time of the "
+              "messages a rank waited for); sim, p2p 0 = compute costs only; unit-cost = closed form, f=b=w, p2p 0")
     if res.get("peer"):
         print(f"\nvs torch.distributed.pipelining (forward+backward of {args.microbatches} micro-batches; ratio = torch / "
               "meshspeed, > 1: meshspeed faster)")
@@ -260,7 +266,7 @@ def parse_args(argv):
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks = worker processes (default 2)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)

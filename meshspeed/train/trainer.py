@@ -107,13 +107,14 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64)
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             total = self.pipeline.train_step(micro, self.dp, step)
-        for i, (x, y) in enumerate(micro if self.pipeline is None else []):
-            last = i == len(micro) - 1
-            with (contextlib.nullcontext() if last else self.dp.no_sync()):
-                loss, aux = self._loss(x, y)
-                # The global-batch loss is the mean of the micro-batch means; DP averages ranks.
-                ((loss + aux) / len(micro)).backward()
-            total += loss.detach().double().cpu()
+        else:
+            for i, (x, y) in enumerate(micro):
+                last = i == len(micro) - 1
+                with (contextlib.nullcontext() if last else self.dp.no_sync()):
+                    loss, aux = self._loss(x, y)
+                    # The global-batch loss is the mean of the micro-batch means; DP averages ranks.
+                    ((loss + aux) / len(micro)).backward()
+                total += loss.detach().double().cpu()
         self.dp.finish_grad_sync()
         norm = clip_grad_norm_(self.dp, t.grad_clip, self.mesh) if t.grad_clip > 0 else grad_norm(self.dp, self.mesh)
         self.opt.step()

@@ -3,18 +3,19 @@
 The runtime records (start, end) of every action of one step on every rank (one clock origin
 after a barrier). `measured_result` turns that into a SimResult (compute spans only; waits
 on receives and Python overhead are the gaps), so draw.py draws and to_json writes it like a
-simulated one; `measured_costs` averages the per-action times into simulator Costs, and
-`compare` simulates the same schedule with them: the bubble the schedule alone explains
-versus the one measured.
+simulated one; `measured_costs` averages the per-action times into simulator Costs (p2p: the
+median delivery time of messages a receiver waited for, `p2p_latency`), and `compare`
+simulates the same schedule with them: the bubble the schedule and the measured costs
+explain versus the one measured.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from statistics import mean
+from statistics import mean, median
 
-from meshspeed.parallel.pipeline.actions import B, F, W, Action
+from meshspeed.parallel.pipeline.actions import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
 from meshspeed.parallel.pipeline.simulate import Costs, SimResult, Span, peak_activations, simulate
 
 
@@ -28,21 +29,43 @@ def measured_result(name: str, schedule: list[list[Action]], times: list[list[tu
         timelines.append(spans)
         busy.append(sum(s.end - s.start for s in spans))
     makespan = max((t[-1][1] - origin for t in times if t), default=0.0)
-    result = SimResult(pp=pp, vpp=vpp, costs=measured_costs(timelines, vpp, split), split=split, schedule=schedule,
+    costs = measured_costs(timelines, vpp, split, p2p_latency(schedule, times))
+    result = SimResult(pp=pp, vpp=vpp, costs=costs, split=split, schedule=schedule,
                        timelines=timelines, makespan=makespan, busy=busy,
                        peak_activations=[peak_activations(a, split) for a in schedule], microbatches=microbatches,
                        name=name)
     return result
 
 
-def measured_costs(timelines: list[list[Span]], vpp: int, split: bool) -> Costs:
+def measured_costs(timelines: list[list[Span]], vpp: int, split: bool, p2p: float = 0.0) -> Costs:
     """Mean F / B / W time over all ranks, scaled to a rank's whole share (simulate.py's
     convention: with vpp chunks a chunk costs 1/vpp). Without a split, B is the whole
-    backward: Costs(b=B, w=0). p2p is left 0: the simulated bubble is the schedule's alone."""
+    backward: Costs(b=B, w=0)."""
     per = {k: [s.end - s.start for tl in timelines for s in tl if s.action.kind == k] for k in (F, B, W)}
     f, b = (mean(per[k]) * vpp if per[k] else 0.0 for k in (F, B))
     w = mean(per[W]) * vpp if split and per[W] else 0.0
-    return Costs(f=f, b=b, w=w, p2p=0.0)
+    return Costs(f=f, b=b, w=w, p2p=p2p)
+
+
+def p2p_latency(schedule: list[list[Action]], times: list[list[tuple[float, float]]], min_wait: float = 1e-4) -> float:
+    """Median delivery time of the messages a receiver actually waited for: end of its RECV
+    minus the start of the matching SEND (the k-th send on a rank pair meets the k-th
+    receive, comms.py). A receive that found its message already there bounds nothing and
+    is skipped; 0.0 when no receive waited."""
+    sends: dict[tuple[int, int], list[float]] = {}
+    for rank, (acts, ts) in enumerate(zip(schedule, times)):
+        for a, (start, _) in zip(acts, ts):
+            if a.kind in (SEND_F, SEND_B):
+                sends.setdefault((rank, a.peer), []).append(start)
+    samples, seen = [], {}
+    for rank, (acts, ts) in enumerate(zip(schedule, times)):
+        for a, (start, end) in zip(acts, ts):
+            if a.kind not in (RECV_F, RECV_B):
+                continue
+            k = seen[(a.peer, rank)] = seen.get((a.peer, rank), -1) + 1
+            if end - start >= min_wait:
+                samples.append(end - sends[(a.peer, rank)][k])
+    return median(samples) if samples else 0.0
 
 
 def compare(measured: SimResult) -> SimResult:
