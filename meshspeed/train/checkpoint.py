@@ -38,14 +38,14 @@ from meshspeed import comm
 from meshspeed.comm import ConfigError
 from meshspeed.comm import checkpoint_io as io
 from meshspeed.comm.checkpoint_io import ShardSpec
-from meshspeed.train.safetensors_io import read_safetensors, read_safetensors_header, write_safetensors
+from meshspeed.train.safetensors_io import read_safetensors, write_safetensors
 
 FORMAT = "meshspeed-checkpoint/1"
 COMPLETE, META, STATE, RNG_DIR = "COMPLETE", "meta.json", "state.pt", "rng"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _STALE_RE = re.compile(r"^step-\d+\.(tmp|old)-[0-9a-f]+$")
 
-__all__ = ["CheckpointError", "export_safetensors", "latest_checkpoint", "list_checkpoints",
+__all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints",
            "load_checkpoint", "read_safetensors", "save_checkpoint", "write_safetensors"]
 
 
@@ -475,45 +475,3 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, r
 
 
 # -- export ---------------------------------------------------------------------------------
-def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = None,
-                       metadata: dict[str, str] | None = None) -> list[str]:
-    """Collective over the world: write the full (unsharded) model as safetensors; returns the files.
-
-    One file at `path` when pp=1. With pipeline stages, each stage's first rank writes
-    `<stem>-0000s-of-0000P.safetensors` and rank 0 adds the Hugging Face index
-    `<path>.index.json` ({"weight_map": {name: file}}). `dtype` casts floating tensors.
-    """
-    params, specs = _param_specs(model, mesh)
-    c, pp = mesh.coords, mesh.dims.pp
-    stem = path[: -len(".safetensors")] if path.endswith(".safetensors") else path
-    files = [path] if pp == 1 else [f"{stem}-{s + 1:05d}-of-{pp:05d}.safetensors" for s in range(pp)]
-    err = None
-    if c["dp"] == 0 and c["cp"] == 0:  # one copy per stage is enough: its tp line gathers
-        full = {}
-        for name, p in params.items():
-            t = io.gather_full(p.detach(), specs.get(name), mesh)
-            full[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        if c["tp"] == 0:
-            try:
-                meta = {"format": "pt", "meshspeed_layout": json.dumps(dataclasses.asdict(mesh.dims))}
-                meta.update(metadata or {})
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                write_safetensors(files[c["pp"]], full, meta)
-            except Exception as e:  # noqa: BLE001
-                err = e
-    _agree(mesh, err, f"exporting safetensors to {path}")
-    if pp > 1:
-        if mesh.ctx.rank == 0:
-            try:
-                weight_map, total = {}, 0
-                for f in files:
-                    header = read_safetensors_header(f)
-                    weight_map.update({k: os.path.basename(f) for k in header})
-                    total += sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                _fsync_write(f"{stem}.safetensors.index.json", json.dumps(index, indent=1).encode())
-            except Exception as e:  # noqa: BLE001
-                err = e
-        _agree(mesh, err, f"writing the safetensors index for {path}")
-        files = files + [f"{stem}.safetensors.index.json"]
-    return files

@@ -23,6 +23,7 @@ from meshspeed.parallel.tensor import model_loss, parallelize
 from meshspeed.train import checkpoint as ckpt
 from meshspeed.train import config as config_mod
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
+from meshspeed.train.export import export_safetensors
 from meshspeed.train.metrics import MetricsLogger, lr_at
 from meshspeed.train.pipeline import TrainerPipeline
 from meshspeed.train.sparsity import build_sparsity
@@ -160,7 +161,7 @@ class Trainer:
                    "tokens_per_s": sum(tokens_per_s) / len(tokens_per_s) if tokens_per_s else None,
                    "metrics": self.metrics.path, "checkpoint": last_ckpt}
         if c.export_safetensors:
-            summary["safetensors"] = ckpt.export_safetensors(self.model, self.mesh,
+            summary["safetensors"] = export_safetensors(self.model, self.mesh,
                                                              os.path.join(self.cfg.run.dir, "model.safetensors"))
         if self.lead:
             summary["plot"] = self.metrics.plot(os.path.join(self.cfg.run.dir, "loss.png"))

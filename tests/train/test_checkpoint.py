@@ -25,6 +25,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.models import Transformer, get_preset, init_weights
 from meshspeed.train import checkpoint as ckpt
+from meshspeed.train.export import export_safetensors
 from meshspeed.train.safetensors_io import read_safetensors, write_safetensors
 from tests import harness
 
@@ -335,7 +336,7 @@ def test_keep_last_n(tmp_path):
 def _export(ctx, path: str, dims: dict, dtype) -> list:
     mesh = comm.ParallelDims(**dims).build(ctx)
     model, _ = sharded_model(mesh, seed=1)
-    return ckpt.export_safetensors(model, mesh, path, dtype=dtype)
+    return export_safetensors(model, mesh, path, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])

@@ -1,0 +1,62 @@
+"""Export the full (unsharded) model to safetensors, from any parallel layout.
+
+Split from checkpoint.py: it shares the checkpoint's parameter specs and its all-ranks-agree
+error handling, but it is a one-way export for other tools (Hugging Face style), not resume
+state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+from meshspeed.comm import checkpoint_io as io
+from meshspeed.train.checkpoint import _agree, _fsync_write, _param_specs
+from meshspeed.train.safetensors_io import read_safetensors_header, write_safetensors
+
+
+def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = None,
+                       metadata: dict[str, str] | None = None) -> list[str]:
+    """Collective over the world: write the full (unsharded) model as safetensors; returns the files.
+
+    One file at `path` when pp=1. With pipeline stages, each stage's first rank writes
+    `<stem>-0000s-of-0000P.safetensors` and rank 0 adds the Hugging Face index
+    `<path>.index.json` ({"weight_map": {name: file}}). `dtype` casts floating tensors.
+    """
+    params, specs = _param_specs(model, mesh)
+    c, pp = mesh.coords, mesh.dims.pp
+    stem = path[: -len(".safetensors")] if path.endswith(".safetensors") else path
+    files = [path] if pp == 1 else [f"{stem}-{s + 1:05d}-of-{pp:05d}.safetensors" for s in range(pp)]
+    err = None
+    if c["dp"] == 0 and c["cp"] == 0:  # one copy per stage is enough: its tp line gathers
+        full = {}
+        for name, p in params.items():
+            t = io.gather_full(p.detach(), specs.get(name), mesh)
+            full[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        if c["tp"] == 0:
+            try:
+                meta = {"format": "pt", "meshspeed_layout": json.dumps(dataclasses.asdict(mesh.dims))}
+                meta.update(metadata or {})
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                write_safetensors(files[c["pp"]], full, meta)
+            except Exception as e:  # noqa: BLE001
+                err = e
+    _agree(mesh, err, f"exporting safetensors to {path}")
+    if pp > 1:
+        if mesh.ctx.rank == 0:
+            try:
+                weight_map, total = {}, 0
+                for f in files:
+                    header = read_safetensors_header(f)
+                    weight_map.update({k: os.path.basename(f) for k in header})
+                    total += sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                _fsync_write(f"{stem}.safetensors.index.json", json.dumps(index, indent=1).encode())
+            except Exception as e:  # noqa: BLE001
+                err = e
+        _agree(mesh, err, f"writing the safetensors index for {path}")
+        files = files + [f"{stem}.safetensors.index.json"]
+    return files
