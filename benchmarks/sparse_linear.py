@@ -107,8 +107,8 @@ def bench_cuda(args) -> None:
         t_cached = time_ms(fwd_bwd(sparse, x, grad, False), device, args.iters, args.warmup)
         t_compress = time_ms(fwd_bwd(sparse, x, grad, True), device, args.iters, args.warmup)
 
-        def mask_update():
-            sparse.set_mask(transposable_2to4_mask(sparse.weight), check=False)
+        def mask_update(layer=sparse):  # bound now: `sparse` is deleted at the end of the iteration
+            layer.set_mask(transposable_2to4_mask(layer.weight), check=False)
 
         t_mask = time_ms(mask_update, device, max(3, args.iters // 4), 1)
         t_amort = t_compress + t_mask / args.update_interval

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshspeed.sparse import SparseLinear, SparseLinearFunction, is_nm, nm_mask, topk_mask, transposable_2to4_mask
+from meshspeed.sparse import SparseLinear, SparseLinearFunction, nm_mask, topk_mask, transposable_2to4_mask
 from meshspeed.sparse.cuda import CompressedWeight
 from meshspeed.sparse.linear import _Compressed
 
