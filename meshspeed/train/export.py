@@ -14,7 +14,8 @@ import os
 import torch
 
 from meshspeed.comm import checkpoint_io as io
-from meshspeed.train.checkpoint import _agree, _fsync_write, _param_specs
+from meshspeed.train.checkpoint import _param_specs
+from meshspeed.train.ckpt_dirs import _agree, _fsync_write
 from meshspeed.train.safetensors_io import read_safetensors_header, write_safetensors
 
 
