@@ -62,8 +62,7 @@ def job_all_reduce(ctx, async_op: bool):
                     res = res.wait() if async_op else res
                     if res is not t:
                         fails.append(f"all_reduce {algo} did not work in place")
-                    want_t = want if op == "avg" else want.to(dtype)
-                    _cmp(t, want_t.to(dtype) if op != "avg" else want, f"{op} {dtype} n={numel} {algo}", fails,
+                    _cmp(t, want if op == "avg" else want.to(dtype), f"{op} {dtype} n={numel} {algo}", fails,
                          exact=op != "avg")
     return fails
 
