@@ -42,7 +42,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshspeed import comm  # noqa: E402
-from meshspeed.models import cross_entropy_loss, get_preset  # noqa: E402
+from meshspeed.models import cross_entropy_loss, get_preset, recipe_for  # noqa: E402
 from meshspeed.parallel.pipeline import Costs, closed_form, simulate  # noqa: E402
 from meshspeed.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from meshspeed.parallel.pipeline.stage import build_stages  # noqa: E402
@@ -68,7 +68,7 @@ def micro_batches(x, y, args):
 
 
 def meshspeed_runner(ctx, mesh, name: str, vpp: int, args, trace: bool = False):
-    stages = build_stages(model_config(args), mesh, vpp=vpp, seed=0)
+    stages = build_stages(recipe_for(model_config(args)), mesh, vpp=vpp, seed=0)
     rt = PipelineRuntime(stages, mesh, name, args.microbatches, micro_batch_size=args.micro, seq_len=args.seq_len,
                          trace=trace)
 
@@ -98,7 +98,7 @@ def torch_runner(ctx, mesh, vpp: int, args):
     # meshspeed itself speaks only through meshspeed.comm).
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    stages = build_stages(model_config(args), mesh, vpp=vpp, seed=0)
+    stages = build_stages(recipe_for(model_config(args)), mesh, vpp=vpp, seed=0)
     pp, rank = mesh.dims.pp, mesh.coords["pp"]
     positions = torch.arange(args.seq_len)
     dim = stages.model.config.dim

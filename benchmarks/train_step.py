@@ -67,8 +67,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshspeed import comm  # noqa: E402
-from meshspeed.models import build_model, cross_entropy_loss, get_preset, preset_names  # noqa: E402
-from meshspeed.parallel.data import build_data_parallel  # noqa: E402
+from meshspeed.models import build_model, cross_entropy_loss, get_preset, preset_names, recipe_for  # noqa: E402
+from meshspeed.parallel.optim import build_data_parallel  # noqa: E402
 from meshspeed.parallel.tensor import check_tp, model_loss, parallelize  # noqa: E402
 
 CONFIGS = ("dp", "zero", "tp", "tp-sp")
@@ -132,8 +132,9 @@ def autocast(args):
 def build_meshspeed(args, mesh, zero: int, tp: int = 1, sp: bool = False) -> Runner:
     model = fresh_model(args)
     if tp > 1:
-        check_tp(tp, model.config)
-        parallelize(model, mesh, sequence_parallel=sp)
+        recipe = recipe_for(model.config)
+        check_tp(tp, recipe)
+        parallelize(model, mesh, recipe, sequence_parallel=sp)
     dp, opt = build_data_parallel(model, mesh, zero=zero, bucket_mb=args.bucket_mb, dtype=DTYPES[args.dtype],
                                   lr=LR, weight_decay=WD, betas=BETAS, eps=EPS)
 

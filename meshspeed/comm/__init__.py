@@ -32,10 +32,13 @@ from meshspeed.comm.group import Group, Handle
 from meshspeed.comm.launch import spawn
 from meshspeed.comm.mesh import Mesh, ParallelDims
 from meshspeed.comm.p2p import P2P, batch, irecv, isend, recv, send
+from meshspeed.comm import placement
+from meshspeed.comm.placement import Partial, Replicate, Shard, Sharding
 
 __all__ = [
     "ALGOS", "REDUCE_OPS", "CollectiveTimeout", "CommContext", "CommError", "ConfigError", "DesyncError",
-    "Group", "Handle", "LinkParams", "Mesh", "P2P", "ParallelDims",
+    "Group", "Handle", "LinkParams", "Mesh", "P2P", "ParallelDims", "Partial", "Replicate", "Shard", "Sharding",
+    "placement",
     "all_gather", "all_reduce", "all_to_all", "all_to_all_ad", "barrier", "batch", "broadcast", "copy_to",
     "gather_from", "gather_sp", "init", "irecv", "isend", "launched", "recv", "reduce_from", "reduce_scatter",
     "reduce_scatter_sp", "select_algo", "send", "spawn", "split_to",

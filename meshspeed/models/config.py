@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+FAMILIES = ("llama", "qwen2")  # models/registry.py maps each to its model file and recipe
 ROUTER_SOFTMAX_CHOICES = ("after_topk", "before_topk")
 MOE_IMPL_CHOICES = ("auto", "grouped_mm", "loop")
 
@@ -39,6 +40,9 @@ def llama_ffn_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | Non
 class ModelConfig:
     """Architecture of a Llama-style decoder, dense or MoE. Validated on construction."""
 
+    family: str = "llama"
+    """Model family: 'llama' (Llama / Mistral / Mixtral-style, dense or MoE) or 'qwen2'
+    (Llama with q/k/v biases)."""
     dim: int = 128
     """Model (residual stream) width."""
     n_layers: int = 2
@@ -124,6 +128,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.tie_embeddings={self.tie_embeddings!r} is invalid; "
                              "use true or false")
 
+        if self.family not in FAMILIES:
+            raise ValueError(f"ModelConfig.family={self.family!r} is invalid; choose one of {', '.join(FAMILIES)}")
         if self.dim % self.n_heads:
             raise ValueError(f"ModelConfig.n_heads={self.n_heads} does not divide dim={self.dim}; "
                              f"choose n_heads among {_divisors(self.dim)}")
@@ -157,6 +163,11 @@ class ModelConfig:
                              "experts; set n_experts >= 1 or n_shared_experts=0")
 
     # --- derived sizes ----------------------------------------------------------------
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q/k/v projections carry biases (Qwen2)."""
+        return self.family == "qwen2"
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads

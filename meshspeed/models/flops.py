@@ -7,7 +7,8 @@ from .config import ModelConfig
 
 def _attention_params(c: ModelConfig) -> int:
     q_out, kv_out = c.n_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return c.dim * q_out * 2 + c.dim * kv_out * 2  # wq, wo, wk, wv
+    bias = (q_out + 2 * kv_out) if c.qkv_bias else 0
+    return c.dim * q_out * 2 + c.dim * kv_out * 2 + bias  # wq, wo, wk, wv (+ q/k/v biases)
 
 
 def _ffn_params(c: ModelConfig, layer_id: int, active: bool) -> int:

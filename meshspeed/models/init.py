@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .llama import Transformer
 
 # FQN components inserted by wrappers (torch.compile, activation checkpointing, FSDP1); they are
 # dropped so a wrapped model initialises exactly like the bare one.
@@ -38,8 +37,11 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_std(name: str, config: ModelConfig) -> float | None:
-    """Std of the normal init for parameter `name`; None means ones (RMSNorm weights)."""
+    """Std of the normal init for parameter `name`; None means ones (RMSNorm weights), 0.0
+    zeros (biases, as in Hugging Face's and Megatron's inits)."""
     parts = canonical_name(name).split(".")
+    if parts[-1] == "bias":
+        return 0.0
     owner = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]
     if owner.endswith("norm"):
         return None
@@ -58,6 +60,8 @@ def init_tensor(name: str, shape: torch.Size | tuple[int, ...], config: ModelCon
     std = init_std(name, config)
     if std is None:
         return torch.ones(shape, dtype=dtype)
+    if std == 0.0:
+        return torch.zeros(shape, dtype=dtype)
     gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, canonical_name(name, config)))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(dtype)
 
@@ -68,7 +72,7 @@ def init_weights(model: nn.Module, seed: int = 0, config: ModelConfig | None = N
     and recompute the RoPE tables."""
     config = config if config is not None else model.config
     for m in model.modules():
-        if isinstance(m, Transformer):
+        if hasattr(m, "tie_weights"):
             m.tie_weights()  # to_empty() unties; re-tie before drawing so both names share values
     for name, p in model.named_parameters():  # a tied weight is listed (and drawn) once
         if p.is_meta:
@@ -76,18 +80,5 @@ def init_weights(model: nn.Module, seed: int = 0, config: ModelConfig | None = N
                              "model.to_empty(device=...) before init_weights (or use build_model)")
         p.copy_(init_tensor(name, p.shape, config, seed))
     for m in model.modules():
-        if isinstance(m, Transformer):
+        if hasattr(m, "init_rope"):
             m.init_rope()
-
-
-def build_model(config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-                dtype: torch.dtype | None = None) -> Transformer:
-    """Construct on the meta device (no memory, no wasted default init), materialise on
-    `device`, then run the seeded init. RoPE tables stay float32 whatever `dtype`."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.to_empty(device=device)
-    if dtype is not None:
-        model.to(dtype)
-    init_weights(model, seed)
-    return model

@@ -17,9 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshspeed.comm.recipe import PipelineUnits, Recipe
+from meshspeed.kernels.loss import cross_entropy_loss
+
 from .config import ModelConfig
+from .init import init_tensor
 from .layers import FeedForward, RMSNorm, apply_rope, precompute_rope
-from .moe import MoE
+from .moe import MOE_TP_STYLE, MoE
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -37,12 +41,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal grouped-query self-attention through scaled_dot_product_attention."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, qkv_bias: bool = False):
         super().__init__()
         self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,11 +68,13 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
 
+    attention_cls = Attention  # a family varies the attention by subclassing (qwen2.py)
+
     def __init__(self, layer_id: int, config: ModelConfig):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = self.attention_cls(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.moe_enabled = config.is_moe_layer(layer_id)
         # Same attribute name for dense and MoE so norm/residual FQN patterns do not fork.
@@ -83,12 +89,14 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """tokens [batch, seq] -> logits [batch, seq, vocab]; hidden states if `output` is None."""
 
+    block_cls = TransformerBlock
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, config) for i in range(config.n_layers)})
+            {str(i): self.block_cls(i, config) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
@@ -165,11 +173,63 @@ class Transformer(nn.Module):
                 if m.tokens_per_expert is not None}
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor,
-                       ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token loss. logits [batch, seq, vocab], targets [batch, seq].
+# --- recipe: how this family may be split (read by meshspeed.parallel, which never imports us) ---
 
-    Upcast to float32: a bf16 log-softmax over a 128k vocabulary loses visible precision.
-    """
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
-                           ignore_index=ignore_index)
+def tp_plan(config: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """Megatron's layout: attention heads and FFN hidden split, embedding and output split
+    over the vocabulary, norms on the sequence shard under SP, MoE experts' hidden split."""
+    plan = [
+        ("tok_embeddings", "vocab_embedding"),
+        ("layers.*.attention_norm", "sequence_norm"),
+        ("layers.*.attention.wq", "colwise"),
+        ("layers.*.attention.wk", "colwise"),
+        ("layers.*.attention.wv", "colwise"),
+        ("layers.*.attention.wo", "rowwise"),
+        ("layers.*.ffn_norm", "sequence_norm"),
+    ]
+    if config.is_moe:  # only then: on a dense model the entry would match FeedForward modules
+        plan.append(("layers.*.feed_forward", "moe"))
+    plan += [
+        ("layers.*.feed_forward.w1", "colwise"),
+        ("layers.*.feed_forward.w3", "colwise"),
+        ("layers.*.feed_forward.w2", "rowwise"),
+        ("norm", "sequence_norm"),
+        ("output", "colwise_vocab"),
+    ]
+    return tuple(plan)
+
+
+def rope_args(model: Transformer, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each block takes besides the hidden states: the RoPE tables at `positions`."""
+    return model.rope_cos[positions], model.rope_sin[positions]
+
+
+def moe_aux_loss(modules) -> torch.Tensor | None:
+    """Sum of the MoE layers' auxiliary losses (last forward) inside `modules`; None if none."""
+    losses = [aux for mod in modules for m in mod.modules()
+              if isinstance(m, MoE) and (aux := m.aux_loss()) is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def recipe(config: ModelConfig, model_cls: type = Transformer, name: str = "llama") -> Recipe:
+    """The Llama family's recipe (dense and MoE); other Llama-shaped families reuse it with
+    their own model class."""
+    experts = (("layers.*.feed_forward.experts.w1", 0), ("layers.*.feed_forward.experts.w2", 0),
+               ("layers.*.feed_forward.experts.w3", 0)) if config.is_moe else ()
+    return Recipe(
+        name=name,
+        build=lambda: model_cls(config),
+        init=lambda fqn, shape, seed: init_tensor(fqn, shape, config, seed),
+        loss=cross_entropy_loss,
+        pipeline=PipelineUnits(embedding="tok_embeddings", layers="layers", head=("norm", "output"),
+                               layer_args=rope_args),
+        tp_plan=tp_plan(config),
+        tp_styles={"moe": MOE_TP_STYLE},
+        tp_divides={"n_heads": config.n_heads, "n_kv_heads": config.num_kv_heads},
+        experts=experts,
+        tied=(("output.weight", "tok_embeddings.weight"),) if config.tie_embeddings else (),
+        n_layers=config.n_layers,
+        hidden_size=config.dim,
+        finish=lambda model: model.init_rope(),
+        aux_loss=moe_aux_loss,
+    )

@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshspeed import comm
+from meshspeed.comm.placement import Shard, shard_parameter
+from meshspeed.comm.recipe import Style
+
 from .config import ModelConfig
 from .layers import FeedForward
 
@@ -170,3 +174,60 @@ class MoE(nn.Module):
         if self.load_balance_loss is None:
             return None
         return self.aux_loss_coef * self.load_balance_loss + self.z_loss_coef * self.z_loss
+
+
+# --- recipe part: this layer's tensor-parallel style ("moe" in llama.py's plan) ---------------
+
+def _tp_piece(module: nn.Module, name: str, dim: int, group) -> None:
+    setattr(module, name, shard_parameter(getattr(module, name), "tp", Shard(dim), group))
+    if isinstance(module, nn.Linear):  # keep the Linear's own description true
+        module.out_features, module.in_features = module.weight.shape
+
+
+class TensorParallelMoE(MoE):
+    """MoE with each expert's hidden width (and the shared expert's) split over tp.
+
+    Every rank routes all tokens with the replicated router (so routing, aux losses and
+    tokens_per_expert equal the single-device ones), runs its hidden slice of every expert,
+    and one reduce (reduce_from, or reduce_scatter_sp) sums the experts' partial outputs.
+    Gradients: the routed and shared experts' input goes through copy_to (partial input
+    gradients summed); the combine weights go through copy_to (each rank's output is partial,
+    so its weight gradient is too); the router input itself is not summed (its gradient is
+    already complete on every rank). Expert parallelism (experts split over ranks) is separate.
+    """
+
+    def __init__(self, moe: MoE, group, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.n_experts, self.top_k = moe.n_experts, moe.top_k
+        self.aux_loss_coef, self.z_loss_coef = moe.aux_loss_coef, moe.z_loss_coef
+        self.router = moe.router
+        self.experts = moe.experts
+        for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):  # [E, hidden, dim] / [E, dim, hidden]
+            _tp_piece(self.experts, name, dim, group)
+        self.shared_expert = moe.shared_expert
+        if self.shared_expert is not None:  # plain linears on pieces: this layer does the reduce
+            for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+                _tp_piece(getattr(self.shared_expert, name), "weight", dim, group)
+        self.load_balance_loss = self.z_loss = self.tokens_per_expert = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # [batch, seq/tp, dim] -> all tokens [batch, seq, dim]
+            x = comm.gather_from(x, self.group, 1)
+        shape = x.shape
+        xr = x.reshape(-1, shape[-1])  # [tokens, dim], replicated
+        weights, experts, logits = self.router(xr)
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # [n_experts]
+        self._record_router(logits, counts)
+        xe = comm.copy_to(xr, self.group)
+        out = self.routed(xe, comm.copy_to(weights, self.group), experts, counts)  # partial
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(xe)
+        out = out.view(shape)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_sp(out, self.group, 1)
+        return comm.reduce_from(out, self.group)
+
+
+MOE_TP_STYLE = Style(MoE, "router replicated; each expert's (and the shared expert's) hidden dim split",
+                     lambda m, g, sp: TensorParallelMoE(m, g, sp))

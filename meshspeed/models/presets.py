@@ -31,6 +31,12 @@ PRESETS: dict[str, dict] = {
     "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                          ffn_hidden=14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
                          n_experts=8, top_k=2, router_softmax="after_topk"),
+    # Qwen2 family at tiny size (q/k/v biases, untied embeddings): tests and quick runs.
+    "tiny-qwen2": dict(family="qwen2", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                       ffn_hidden=384, norm_eps=1e-6, rope_theta=1e6, max_seq_len=256),
+    # Qwen2-7B: 7,615,616,512 parameters (28 layers, GQA 28/4, untied 152,064-token vocabulary).
+    "qwen2-7b": dict(family="qwen2", dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
+                     ffn_hidden=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768),
 }
 
 

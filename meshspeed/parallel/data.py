@@ -1,6 +1,6 @@
 """Data parallelism: flat gradient buckets reduced during backward, and the ZeRO shard layout.
 
-    dp, opt = build_data_parallel(model, mesh, zero=1, dtype=torch.bfloat16, lr=3e-4)
+    dp, opt = build_data_parallel(model, mesh, zero=1, dtype=torch.bfloat16, lr=3e-4)  # optim.py
     for i, batch in enumerate(micro_batches):                    # loss scaled by 1/len(...)
         with dp.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
             (loss_fn(model(batch)) / len(micro_batches)).backward()
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.comm import placement
 
 ALIGN = 16  # elements: 64 B of fp32, enough for vectorised kernels and NCCL's alignment wishes
 GROUPS = ("dp", "dp_cp")  # dp_cp with context parallelism: cp ranks see other tokens of a sample
@@ -94,7 +95,7 @@ def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], bucket_numel: int, d
     return buckets
 
 
-def _segments(spec: BucketSpec, lo: int, hi: int, keep) -> list[tuple[int, int]]:
+def segments(spec: BucketSpec, lo: int, hi: int, keep) -> list[tuple[int, int]]:
     """[s, e) ranges, relative to lo, of the slots within [lo, hi) for which keep(slot) holds;
     neighbouring slots merged (the alignment gaps between them are zero, so they may be swallowed)."""
     out: list[list[int]] = []
@@ -350,8 +351,8 @@ class DataParallel:
             for i, spec in enumerate(self.specs):
                 lo, hi = self.dp_shard(i)
                 for tp in (False, True):
-                    keep = lambda s, tp=tp: _tp_sharded(self.params[s.name]) == tp  # noqa: E731
-                    self._norm_plan += [(i, lo + a, lo + e, tp) for a, e in _segments(spec, lo, hi, keep)]
+                    keep = lambda s, tp=tp: tp_sharded(self.params[s.name]) == tp  # noqa: E731
+                    self._norm_plan += [(i, lo + a, lo + e, tp) for a, e in segments(spec, lo, hi, keep)]
         return [(self.reduced_grad(i, a, e), tp) for i, a, e, tp in self._norm_plan]
 
     def grad_bytes(self) -> int:
@@ -369,39 +370,13 @@ class DataParallel:
         return "\n".join(lines)
 
 
-def _tp_sharded(p: torch.Tensor) -> bool:
-    """True for a tensor-parallel shard (CONTRACTS.md §1); other placements are not known here."""
-    placement = getattr(p, "_ms_placement", None)
-    if placement is None:
+def tp_sharded(p: torch.Tensor) -> bool:
+    """True for a tensor-parallel piece (comm.placement); other split axes are not known here."""
+    sharding = placement.sharding_of(p)
+    if sharding is None:
         return False
-    if placement[0] != "tp":
-        raise comm.ConfigError(f"parameter placement {placement!r}: gradient-norm accounting knows "
-                               "('tp', dim) only (CONTRACTS.md §1); extend meshspeed.parallel.data._tp_sharded")
+    others = [d for d, _ in sharding.axes if d != "tp"]
+    if others:
+        raise comm.ConfigError(f"parameter split over {', '.join(others)} ({sharding}): gradient-norm "
+                               "accounting knows tensor-parallel splits only; extend meshspeed.parallel.data.tp_sharded")
     return True
-
-
-def build_data_parallel(model: nn.Module, mesh, *, zero: int = 0, bucket_mb: float = 25.0,
-                        dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.float32,
-                        lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
-                        eps: float = 1e-8, no_decay=None, group: str = "dp"):
-    """Make `model` data parallel over mesh[group] and build its (ZeRO) AdamW.
-
-    dtype: parameter storage and compute (bf16 default; fp32 for exactness checks). Master
-    weights and AdamW moments are fp32 whatever it is; gradients are accumulated and reduced in
-    grad_dtype (fp32 default). Returns (DataParallel, ZeroAdamW).
-    """
-    from meshspeed.parallel.optim import ZeroAdamW
-
-    dp = DataParallel(model, mesh, zero=zero, bucket_mb=bucket_mb, param_dtype=dtype,
-                      grad_dtype=grad_dtype, group=group)
-    opt = ZeroAdamW(dp, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
-    return dp, opt
-
-
-def __getattr__(name: str):
-    # clip_grad_norm_ lives beside the optimizer; re-exported here without an import cycle.
-    if name in ("clip_grad_norm_", "grad_norm", "ZeroAdamW"):
-        from meshspeed.parallel import optim
-
-        return getattr(optim, name)
-    raise AttributeError(name)

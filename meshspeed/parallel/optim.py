@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.parallel.data import DataParallel, _segments, _tp_sharded
+from meshspeed.parallel.data import DataParallel, segments, tp_sharded
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -72,7 +72,7 @@ class ZeroAdamW:
                 master, owns = b.data, False  # plain fp32 data parallel: the parameters are the master
             else:
                 master, owns = dp.master_source(i)[lo:hi].clone(), True
-            self.shards.append(_Shard(master, _segments(b.spec, lo, hi, lambda s: s.name in decayed), owns))
+            self.shards.append(_Shard(master, segments(b.spec, lo, hi, lambda s: s.name in decayed), owns))
         dp.release_master_source()
 
     # -- scheduler hooks -------------------------------------------------------------------
@@ -231,7 +231,7 @@ def grad_norm(target, mesh, norm_type: float = 2.0) -> torch.Tensor:
             g = getattr(p, "main_grad", None)
             g = g if g is not None else p.grad
             if g is not None:
-                segs.append((g, _tp_sharded(p)))
+                segs.append((g, tp_sharded(p)))
         replicated = ("dp", "cp")
         device = segs[0][0].device if segs else torch.device(mesh.ctx.device)
     keep = {True: _owner(mesh, replicated), False: _owner(mesh, replicated + ("tp",))}
@@ -269,3 +269,19 @@ def clip_grad_norm_(target, max_norm: float, mesh, norm_type: float = 2.0) -> to
                     if g is not None:
                         g.mul_(coef.to(g.device))
     return total
+
+
+def build_data_parallel(model: nn.Module, mesh, *, zero: int = 0, bucket_mb: float = 25.0,
+                        dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.float32,
+                        lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                        eps: float = 1e-8, no_decay=None, group: str = "dp"):
+    """Make `model` data parallel over mesh[group] and build its (ZeRO) AdamW.
+
+    dtype: parameter storage and compute (bf16 default; fp32 for exactness checks). Master
+    weights and AdamW moments are fp32 whatever it is; gradients are accumulated and reduced in
+    grad_dtype (fp32 default). Returns (DataParallel, ZeroAdamW).
+    """
+    dp = DataParallel(model, mesh, zero=zero, bucket_mb=bucket_mb, param_dtype=dtype,
+                      grad_dtype=grad_dtype, group=group)
+    opt = ZeroAdamW(dp, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
+    return dp, opt

@@ -1,20 +1,23 @@
-"""Tensor parallelism (Megatron-style) with optional sequence parallelism.
+"""Tensor parallelism (Megatron-style) with optional sequence parallelism, for any model
+whose recipe (comm/recipe.py) gives a tensor-parallel plan.
 
-Layers split their weights over the tensor-parallel group ("tp"):
+Built-in styles split torch's own modules over the tensor-parallel group ("tp"):
 
-    ColumnParallelLinear   weight [out/tp, in]   input copy_to        | gather_sp along seq (SP)
-    RowParallelLinear      weight [out, in/tp]   output reduce_from   | reduce_scatter_sp (SP)
-    VocabParallelEmbedding weight [V/tp, dim]    output reduce_from   | reduce_scatter_sp (SP)
-    TensorParallelMoE      experts' hidden /tp   router replicated, one reduce for all experts
-    SequenceParallelRMSNorm                      runs on the seq shard; weight grad all-reduced
+    colwise          ColumnParallelLinear    weight [out/tp, in]  input copy_to | gather_sp (SP)
+    rowwise          RowParallelLinear       weight [out, in/tp]  output reduce_from | reduce_scatter_sp
+    colwise_vocab    ColumnParallelLinear    logits kept vocab-sharded for vocab_parallel_cross_entropy
+    vocab_embedding  VocabParallelEmbedding  weight [V/tp, dim]   output reduce_from | reduce_scatter_sp
+    sequence_norm    SequenceParallel        any per-token module runs on the seq shard under SP
+    replicate        left as is
 
-With sequence parallelism the residual stream between those layers is [batch, seq/tp, dim]
-(tp must divide seq). The output projection keeps the logits sharded along the vocabulary
-([batch, seq, V/tp]) and `vocab_parallel_cross_entropy` takes them as they are.
+A family adds its own styles (its MoE layer, say) in its recipe. With sequence parallelism the
+residual stream between those layers is [batch, seq/tp, dim] (tp must divide seq). The output
+projection keeps the logits sharded along the vocabulary ([batch, seq, V/tp]) and
+`vocab_parallel_cross_entropy` takes them as they are.
 
-`parallelize(model, mesh)` applies a `TensorPlan` (tensor_plan.py) to a single-device
-Transformer. Sharded parameters keep their FQN and carry `_ms_placement = ("tp", dim)` and
-`_ms_full_shape` (CONTRACTS.md §1), sliced from the initialised full weights (§3).
+`parallelize(model, mesh, recipe)` applies the plan in place. It works on a model still on the
+meta device (parameters born sharded: materialize.py fills each piece afterwards) as well as on
+an initialised one. Sharded parameters keep their FQN and carry a comm.placement.Sharding.
 """
 
 from __future__ import annotations
@@ -24,50 +27,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.models.layers import RMSNorm
-from meshspeed.models.llama import cross_entropy_loss
-from meshspeed.models.moe import MoE
-from meshspeed.parallel.tensor_comm import (chunk_bounds, chunk_sizes, gather_chunks,
-                                            gather_chunks_ad, shard, vocab_parallel_cross_entropy)
-from meshspeed.parallel.tensor_plan import STYLES, TensorPlan, default_plan
+from meshspeed.comm.placement import Shard, chunk_bounds, shard_parameter
+from meshspeed.kernels.loss import cross_entropy_loss
+from meshspeed.comm.recipe import Recipe, Style, tie
+from meshspeed.parallel.tensor_comm import gather_chunks_ad, vocab_parallel_cross_entropy
+from meshspeed.parallel.tensor_plan import TensorPlan
 
 __all__ = [
-    "STYLES", "ColumnParallelLinear", "RowParallelLinear", "SequenceParallelRMSNorm",
-    "TensorParallelMoE", "TensorPlan", "VocabParallelEmbedding", "check_tp", "chunk_bounds",
-    "chunk_sizes", "default_plan", "full_grad", "full_tensor", "loss_fn", "model_loss",
-    "parallelize", "shard_param", "vocab_parallel_cross_entropy",
+    "STYLES", "ColumnParallelLinear", "RowParallelLinear", "SequenceParallel", "TensorPlan",
+    "VocabParallelEmbedding", "check_tp", "loss_fn", "model_loss", "parallelize",
+    "tp_plan", "vocab_parallel_cross_entropy",
 ]
 
 
-def shard_param(full: torch.Tensor, dim: int, group: comm.Group) -> nn.Parameter:
-    """This rank's torch.chunk piece of `full` along `dim`, tagged per CONTRACTS.md §1."""
-    n = full.shape[dim]
-    if min(chunk_sizes(n, group.size)) == 0:  # checked on every rank alike, so all raise
-        ok = ", ".join(str(q) for q in range(1, group.size) if min(chunk_sizes(n, q)) > 0)
-        raise comm.ConfigError(f"parallel.tp={group.size} leaves an empty torch.chunk piece of a "
-                               f"{list(full.shape)} weight along dim {dim}; valid tp: {ok}")
-    local = shard(full.detach(), dim, group)
-    p = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
-    p._ms_placement = ("tp", dim)
-    p._ms_full_shape = torch.Size(full.shape)
-    return p
-
-
-def full_tensor(t: torch.Tensor, group: comm.Group, placement: tuple | None,
-                full_shape: torch.Size | None) -> torch.Tensor:
-    """Gather a tensor laid out like a parameter with `placement` to its full shape (no grad)."""
-    if placement is None or group.size == 1:
-        return t
-    dim = placement[1]
-    return gather_chunks(t.detach(), group, dim, full_shape[dim])
-
-
-def full_grad(param: nn.Parameter, group: comm.Group) -> torch.Tensor | None:
-    """The full-shape gradient of a (possibly sharded) parameter; collective over tp."""
-    if param.grad is None:
-        return None
-    return full_tensor(param.grad, group, getattr(param, "_ms_placement", None),
-                       getattr(param, "_ms_full_shape", None))
+def _shard(p: torch.Tensor, dim: int, group: comm.Group) -> nn.Parameter:
+    return shard_parameter(p, "tp", Shard(dim), group)
 
 
 def _check_seq(seq: int, group: comm.Group) -> None:
@@ -93,8 +67,8 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.gather_output, self.vocab_parallel = gather_output, vocab_parallel
         self.in_features, self.full_out_features = linear.in_features, linear.out_features
-        self.weight = shard_param(linear.weight, 0, group)
-        self.bias = shard_param(linear.bias, 0, group) if linear.bias is not None else None
+        self.weight = _shard(linear.weight, 0, group)
+        self.bias = _shard(linear.bias, 0, group) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = comm.gather_sp(x, self.group, 1) if self.sequence_parallel else comm.copy_to(x, self.group)
@@ -118,7 +92,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.full_in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = shard_param(linear.weight, 1, group)
+        self.weight = _shard(linear.weight, 1, group)
         # Replicated, added after the reduction so it counts once.
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
@@ -150,7 +124,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         offs = chunk_bounds(self.num_embeddings, group.size)
         self.vocab_start, self.vocab_end = offs[group.rank], offs[group.rank + 1]
-        self.weight = shard_param(embedding.weight, 0, group)
+        self.weight = _shard(embedding.weight, 0, group)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.vocab_start
@@ -167,88 +141,48 @@ class VocabParallelEmbedding(nn.Module):
                 f"rows=[{self.vocab_start}, {self.vocab_end}), sp={self.sequence_parallel}")
 
 
-class SequenceParallelRMSNorm(RMSNorm):
-    """RMSNorm on a [batch, seq/tp, dim] shard. Its weight is replicated but each rank sees
-    only its tokens, so the weight enters through copy_to: the gradient is summed over tp
-    inside backward, with no hook and no extra step for the optimizer."""
+class SequenceParallel(nn.Module):
+    """Runs a per-token module (a norm) on a [batch, seq/tp, dim] shard. Its parameters are
+    replicated but each rank sees only its tokens, so they enter the wrapped module through
+    copy_to: the gradient is summed over tp inside backward, with no hook and no extra step.
 
-    def __init__(self, norm: RMSNorm, group: comm.Group):
-        super().__init__(norm.weight.shape[0], norm.eps)
+    The wrapped module is held outside the module tree and its parameters are registered here
+    under their own names, so FQNs (`norm.weight`), checkpoints and the init are unchanged."""
+
+    def __init__(self, module: nn.Module, group: comm.Group):
+        super().__init__()
+        if any(True for _ in module.children()):
+            raise comm.ConfigError(f"sequence_norm applies to leaf modules (a norm); {type(module).__name__} "
+                                   "has submodules: point the plan entry at the leaf")
         self.group = group
-        self.weight = norm.weight
+        object.__setattr__(self, "inner", module)  # not a child: its FQN prefix would change
+        for name, p in module.named_parameters(recurse=False):
+            self.register_parameter(name, p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * comm.copy_to(self.weight, self.group)
+        params = {n: comm.copy_to(p, self.group) for n, p in self._parameters.items() if p is not None}
+        return torch.func.functional_call(self.inner, params, (x,))
 
-
-def _shard_linear_(linear: nn.Linear, dim: int, group: comm.Group) -> None:
-    """Replace a plain nn.Linear's weight by its tp piece (no communication inside)."""
-    linear.weight = shard_param(linear.weight, dim, group)
-    if linear.bias is not None and dim == 0:
-        linear.bias = shard_param(linear.bias, 0, group)
-    if dim == 0:
-        linear.out_features = linear.weight.shape[0]
-    else:
-        linear.in_features = linear.weight.shape[1]
-
-
-class TensorParallelMoE(MoE):
-    """MoE with each expert's hidden width (and the shared expert's) split over tp.
-
-    Every rank routes all tokens with the replicated router (so routing, aux losses and
-    tokens_per_expert equal the single-device ones), runs its hidden slice of every expert,
-    and one reduce (reduce_from, or reduce_scatter_sp) sums the experts' partial outputs.
-    Gradients: the routed and shared experts' input goes through copy_to (partial input
-    gradients summed); the combine weights go through copy_to (each rank's output is partial,
-    so its weight gradient is too); the router input itself is not summed (its gradient is
-    already complete on every rank). Expert parallelism (experts split over ranks) is separate.
-    """
-
-    def __init__(self, moe: MoE, group: comm.Group, sequence_parallel: bool = False):
-        nn.Module.__init__(self)
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.n_experts, self.top_k = moe.n_experts, moe.top_k
-        self.aux_loss_coef, self.z_loss_coef = moe.aux_loss_coef, moe.z_loss_coef
-        self.router = moe.router
-        self.experts = moe.experts
-        for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):  # [E, hidden, dim] / [E, dim, hidden]
-            setattr(self.experts, name, shard_param(getattr(self.experts, name), dim, group))
-        self.shared_expert = moe.shared_expert
-        if self.shared_expert is not None:
-            for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
-                _shard_linear_(getattr(self.shared_expert, name), dim, group)
-        self.load_balance_loss = self.z_loss = self.tokens_per_expert = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # [batch, seq/tp, dim] -> all tokens [batch, seq, dim]
-            x = comm.gather_from(x, self.group, 1)
-        shape = x.shape
-        xr = x.reshape(-1, shape[-1])  # [tokens, dim], replicated
-        weights, experts, logits = self.router(xr)
-        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # [n_experts]
-        self._record_router(logits, counts)
-        xe = comm.copy_to(xr, self.group)
-        out = self.routed(xe, comm.copy_to(weights, self.group), experts, counts)  # partial
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(xe)
-        out = out.view(shape)
-        if self.sequence_parallel:
-            return comm.reduce_scatter_sp(out, self.group, 1)
-        return comm.reduce_from(out, self.group)
+    def extra_repr(self) -> str:
+        return f"{self.inner!r}, sp over {self.group.size}"
 
 
 # --- parallelize -------------------------------------------------------------------------
 
-_BUILDERS = {
-    "colwise": lambda m, g, sp: ColumnParallelLinear(m, g, sp),
-    "rowwise": lambda m, g, sp: RowParallelLinear(m, g, sp),
-    "colwise_vocab": lambda m, g, sp: ColumnParallelLinear(m, g, sp, vocab_parallel=True),
-    "vocab_embedding": lambda m, g, sp: VocabParallelEmbedding(m, g, sp),
-    "sequence_norm": lambda m, g, sp: SequenceParallelRMSNorm(m, g) if sp else m,
-    "moe": lambda m, g, sp: TensorParallelMoE(m, g, sp),
-    "replicate": lambda m, g, sp: m,
+STYLES: dict[str, Style] = {
+    "colwise": Style(nn.Linear, "output features split; input copied (all-gathered along seq with SP)",
+                     lambda m, g, sp: ColumnParallelLinear(m, g, sp)),
+    "rowwise": Style(nn.Linear, "input features split; output summed (reduce-scattered along seq with SP)",
+                     lambda m, g, sp: RowParallelLinear(m, g, sp)),
+    "colwise_vocab": Style(nn.Linear, "logits split over the vocabulary, kept sharded for the "
+                                      "vocab-parallel cross-entropy",
+                           lambda m, g, sp: ColumnParallelLinear(m, g, sp, vocab_parallel=True)),
+    "vocab_embedding": Style(nn.Embedding, "rows split over the vocabulary; output summed "
+                                           "(reduce-scattered along seq with SP)",
+                             lambda m, g, sp: VocabParallelEmbedding(m, g, sp)),
+    "sequence_norm": Style(nn.Module, "per-token module on the seq/tp shard with SP; replicated without",
+                           lambda m, g, sp: SequenceParallel(m, g) if sp else m),
+    "replicate": Style(nn.Module, "left as is, with its whole subtree", lambda m, g, sp: m),
 }
 
 
@@ -256,49 +190,55 @@ def _tp_group(mesh) -> comm.Group:
     return mesh if isinstance(mesh, comm.Group) else mesh["tp"]
 
 
-def check_tp(tp: int, config) -> None:
-    """One-line error when tp cannot split the attention heads."""
-    ok = ", ".join(str(q) for q in range(1, config.n_heads + 1)
-                   if config.n_heads % q == 0 and config.num_kv_heads % q == 0)
-    for name, value in (("n_heads", config.n_heads), ("n_kv_heads", config.num_kv_heads)):
+def check_tp(tp: int, recipe: Recipe) -> None:
+    """One-line error when tp cannot split what the recipe says it must divide (heads...)."""
+    if not recipe.tp_divides:
+        return
+    top = max(recipe.tp_divides.values())
+    ok = ", ".join(str(q) for q in range(1, top + 1) if all(v % q == 0 for v in recipe.tp_divides.values()))
+    for name, value in recipe.tp_divides.items():
         if value % tp:
             raise comm.ConfigError(f"parallel.tp={tp} does not divide {name}={value}; valid tp: {ok}")
 
 
-def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
-                plan: TensorPlan | dict | list | None = None) -> nn.Module:
-    """Make a single-device Transformer (or pipeline stage of one) tensor parallel, in place.
+def tp_plan(recipe: Recipe, plan=None) -> TensorPlan:
+    """The recipe's plan (or `plan` instead) with the built-in styles plus the recipe's own."""
+    return TensorPlan.of(plan if plan is not None else recipe.tp_plan, {**STYLES, **recipe.tp_styles})
 
-    mesh: a comm.Mesh (its "tp" group is used) or the tp Group itself. plan: default_plan(
-    model.config) unless given. Weights must already be initialised: shards are sliced from
-    them. A no-op when tp == 1. Returns the model; `model.tp_plan` keeps the plan applied.
+
+def parallelize(model: nn.Module, mesh, recipe: Recipe, *, sequence_parallel: bool = False,
+                plan: TensorPlan | dict | list | None = None) -> nn.Module:
+    """Make a single-device model (or a pipeline stage of one) tensor parallel, in place.
+
+    mesh: a comm.Mesh (its "tp" group is used) or the tp Group itself. plan: the recipe's
+    unless given. The model may still be on the meta device (then only shapes and tags are
+    made; materialize.py fills the pieces) or hold initialised weights (sliced). A no-op when
+    tp == 1. Returns the model; `model.tp_plan` keeps the plan applied.
     """
     group = _tp_group(mesh)
     if group.size == 1:
         return model
-    if any(hasattr(p, "_ms_placement") for p in model.parameters()):
+    if any(comm.placement.sharding_of(p) is not None for p in model.parameters()):
         raise comm.ConfigError("parallelize: the model is already tensor parallel; pass the "
                                "single-device model")
-    config = model.config
-    check_tp(group.size, config)
-    plan = TensorPlan.of(plan) if plan is not None else default_plan(config)
+    check_tp(group.size, recipe)
+    plan = tp_plan(recipe, plan)
     for fqn, style in plan.assign(model):  # assign() validates the whole plan before any swap
-        new = _BUILDERS[style](model.get_submodule(fqn), group, sequence_parallel)
+        new = plan.styles[style].build(model.get_submodule(fqn), group, sequence_parallel)
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, new)
-    if getattr(config, "tie_embeddings", False):
-        model.tie_weights()  # both sides are split alike along the vocabulary: share the piece
+    tie(model, recipe)  # both sides of a tie are split alike (the vocabulary): share the piece
     model.tp_plan = plan
     return model
 
 
 # --- loss ----------------------------------------------------------------------------------
 
-def loss_fn(model: nn.Module):
+def loss_fn(model: nn.Module, plain=cross_entropy_loss):
     """`(logits, targets, ignore_index=-100) -> mean CE` for the model's output layout:
-    vocab-parallel when the output projection keeps vocab-sharded logits, else plain."""
-    out = getattr(model, "output", None)
-    if isinstance(out, ColumnParallelLinear) and out.vocab_parallel and not out.gather_output:
+    vocab-parallel when a projection keeps vocab-sharded logits, else `plain`."""
+    out = next((m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.vocab_parallel), None)
+    if out is not None and not out.gather_output:
         group = out.group
         start = chunk_bounds(out.full_out_features, group.size)[group.rank]  # no host sync
 
@@ -306,12 +246,12 @@ def loss_fn(model: nn.Module):
             return vocab_parallel_cross_entropy(logits, targets, group, ignore_index, start)
 
         return vocab_parallel_loss
-    return cross_entropy_loss
+    return plain
 
 
 def model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, *,
-               ignore_index: int = -100, aux: bool = True) -> torch.Tensor:
+               ignore_index: int = -100, aux: bool = True, plain=cross_entropy_loss) -> torch.Tensor:
     """Training loss of `model` on (tokens, targets) whatever its layout: mean next-token CE
     (+ the MoE auxiliary losses when aux). The same value on every tensor-parallel rank."""
-    loss = loss_fn(model)(model(tokens), targets, ignore_index)
+    loss = loss_fn(model, plain)(model(tokens), targets, ignore_index)
     return loss + model.aux_loss() if aux else loss

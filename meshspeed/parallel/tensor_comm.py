@@ -1,6 +1,5 @@
-"""Communication for tensor parallelism beside meshspeed.comm.autograd: parameter chunks in
-torch.chunk semantics (CONTRACTS.md §1), gathers that follow them, and the vocab-parallel
-cross-entropy.
+"""Communication for tensor parallelism beside meshspeed.comm.autograd: a differentiable gather
+of torch.chunk pieces (comm.placement's Shard) and the vocab-parallel cross-entropy.
 
 Activations sharded along the sequence use meshspeed.comm's tensor_split chunks (gather_sp /
 reduce_scatter_sp); parameters and vocab-sharded logits use torch.chunk chunks, which is what
@@ -12,26 +11,7 @@ from __future__ import annotations
 import torch
 
 from meshspeed import comm
-
-
-def chunk_bounds(n: int, p: int) -> list[int]:
-    """p + 1 offsets of torch.chunk's pieces of a length-n dimension over p ranks.
-
-    Piece i starts at i * ceil(n / p); the last pieces may be shorter or empty.
-    """
-    size = -(-n // p) if p else 0
-    return [min(i * size, n) for i in range(p + 1)]
-
-
-def chunk_sizes(n: int, p: int) -> list[int]:
-    offs = chunk_bounds(n, p)
-    return [offs[i + 1] - offs[i] for i in range(p)]
-
-
-def shard(full: torch.Tensor, dim: int, group: comm.Group) -> torch.Tensor:
-    """This member's torch.chunk piece of `full` along `dim` (a view)."""
-    offs = chunk_bounds(full.shape[dim], group.size)
-    return full.narrow(dim, offs[group.rank], offs[group.rank + 1] - offs[group.rank])
+from meshspeed.comm.placement import Shard, chunk_sizes, local_piece
 
 
 def gather_chunks(x: torch.Tensor, group: comm.Group, dim: int, n: int) -> torch.Tensor:
@@ -49,7 +29,7 @@ class _GatherChunks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return shard(g, ctx.dim, ctx.group).contiguous(), None, None, None
+        return local_piece(g, Shard(ctx.dim), ctx.group.rank, ctx.group.size).contiguous(), None, None, None
 
 
 def gather_chunks_ad(x: torch.Tensor, group: comm.Group, dim: int, n: int) -> torch.Tensor:

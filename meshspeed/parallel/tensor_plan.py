@@ -9,6 +9,9 @@ like `layers.*.feed_forward` can say "moe" and leave the dense layers to `...w1`
 Descendants of a module that an entry claimed are not visited. A pattern that matches
 nothing is fine (a pipeline stage lacks most layers); one that matches only modules of the
 wrong type is an error.
+
+Plans and the family's own styles come from its recipe (comm/recipe.py); the built-in styles are
+in tensor.py. Nothing here knows a model class.
 """
 
 from __future__ import annotations
@@ -19,22 +22,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from meshspeed.comm import ConfigError
-from meshspeed.models.config import ModelConfig
-from meshspeed.models.layers import RMSNorm
-from meshspeed.models.moe import MoE
-
-# style -> (module type it applies to, what it does)
-STYLES: dict[str, tuple[type, str]] = {
-    "colwise": (nn.Linear, "output features split; input copied (all-gathered along seq with SP)"),
-    "rowwise": (nn.Linear, "input features split; output summed (reduce-scattered along seq with SP)"),
-    "colwise_vocab": (nn.Linear, "logits split over the vocabulary, kept sharded for the "
-                                 "vocab-parallel cross-entropy"),
-    "vocab_embedding": (nn.Embedding, "rows split over the vocabulary; output summed "
-                                      "(reduce-scattered along seq with SP)"),
-    "sequence_norm": (RMSNorm, "runs on the seq/tp shard with SP; replicated without"),
-    "moe": (MoE, "router replicated; each expert's (and the shared expert's) hidden dim split"),
-    "replicate": (nn.Module, "left as is, with its whole subtree"),
-}
+from meshspeed.comm.recipe import Style
 
 
 def _matches(pattern: str, fqn: str) -> bool:
@@ -45,17 +33,19 @@ def _matches(pattern: str, fqn: str) -> bool:
 class TensorPlan:
     """Ordered (pattern, style) entries. Build from a dict or a list of pairs."""
 
-    def __init__(self, entries: Mapping[str, str] | Iterable[tuple[str, str]]):
+    def __init__(self, entries: Mapping[str, str] | Iterable[tuple[str, str]], styles: Mapping[str, Style]):
         items = list(entries.items()) if isinstance(entries, Mapping) else [tuple(e) for e in entries]
         for pattern, style in items:
-            if style not in STYLES:
+            if style not in styles:
                 raise ConfigError(f"tensor-parallel plan entry {pattern!r}: style {style!r} is "
-                                  f"unknown; valid: {', '.join(STYLES)}")
+                                  f"unknown; valid: {', '.join(styles)}")
         self.entries: list[tuple[str, str]] = items
+        self.styles = dict(styles)
 
     @classmethod
-    def of(cls, plan: "TensorPlan | Mapping[str, str] | Iterable[tuple[str, str]]") -> "TensorPlan":
-        return plan if isinstance(plan, TensorPlan) else cls(plan)
+    def of(cls, plan: "TensorPlan | Mapping[str, str] | Iterable[tuple[str, str]]",
+           styles: Mapping[str, Style]) -> "TensorPlan":
+        return plan if isinstance(plan, TensorPlan) else cls(plan, styles)
 
     def to_dict(self) -> dict[str, str]:
         return dict(self.entries)
@@ -72,7 +62,7 @@ class TensorPlan:
             for i, (pattern, style) in enumerate(self.entries):
                 if not _matches(pattern, fqn):
                     continue
-                if isinstance(module, STYLES[style][0]):
+                if isinstance(module, self.styles[style].applies_to):
                     out.append((fqn, style))
                     claimed.append(fqn)
                     used.add(i)
@@ -83,7 +73,7 @@ class TensorPlan:
                 pattern, style = self.entries[i]
                 raise ConfigError(
                     f"tensor-parallel plan entry {pattern!r}: {style!r} needs a "
-                    f"{STYLES[style][0].__name__} but matched {fqn} ({tname}); point it at "
+                    f"{self.styles[style].applies_to.__name__} but matched {fqn} ({tname}); point it at "
                     "the module the style applies to")
         return out
 
@@ -96,7 +86,7 @@ class TensorPlan:
     def __str__(self) -> str:
         width = max((len(p) for p, _ in self.entries), default=0)
         lines = ["tensor-parallel plan (first matching entry whose style fits the module wins):"]
-        lines += [f"  {p:<{width}}  {s:<16} {STYLES[s][1]}" for p, s in self.entries]
+        lines += [f"  {p:<{width}}  {s:<16} {self.styles[s].doc}" for p, s in self.entries]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -105,26 +95,3 @@ class TensorPlan:
     def __eq__(self, other) -> bool:
         return isinstance(other, TensorPlan) and self.entries == other.entries
 
-
-def default_plan(config: ModelConfig) -> TensorPlan:
-    """Megatron's layout for the Llama / MoE Transformer: attention heads and FFN hidden split,
-    embedding and output split over the vocabulary, norms on the sequence shard under SP."""
-    entries = {
-        "tok_embeddings": "vocab_embedding",
-        "layers.*.attention_norm": "sequence_norm",
-        "layers.*.attention.wq": "colwise",
-        "layers.*.attention.wk": "colwise",
-        "layers.*.attention.wv": "colwise",
-        "layers.*.attention.wo": "rowwise",
-        "layers.*.ffn_norm": "sequence_norm",
-    }
-    if config.is_moe:  # only then: on a dense model the entry would match FeedForward modules
-        entries["layers.*.feed_forward"] = "moe"
-    entries.update({
-        "layers.*.feed_forward.w1": "colwise",
-        "layers.*.feed_forward.w3": "colwise",
-        "layers.*.feed_forward.w2": "rowwise",
-        "norm": "sequence_norm",
-        "output": "colwise_vocab",
-    })
-    return TensorPlan(entries)

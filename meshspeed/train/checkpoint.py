@@ -35,7 +35,8 @@ import torch
 from meshspeed import comm
 from meshspeed.comm import ConfigError
 from meshspeed.comm import checkpoint_io as io
-from meshspeed.comm.checkpoint_io import ShardSpec
+from meshspeed.comm import placement
+from meshspeed.comm.placement import Sharding
 from meshspeed.train.ckpt_dirs import (COMPLETE, CheckpointError, _agree, _clean_stale, _fsync_dir, _fsync_write, _prune,
                                        _publish, _resolve, _shared_nonce, _torch_save, latest_checkpoint,
                                        list_checkpoints)
@@ -49,26 +50,16 @@ __all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints",
 
 
 # -- what goes in ---------------------------------------------------------------------------
-def _param_specs(model, mesh) -> tuple[dict, dict[str, ShardSpec]]:
-    """This rank's parameters by FQN and the shard spec of each tagged one (contract 1)."""
-    params, specs = {}, {}
-    for name, p in model.named_parameters():
-        params[name] = p
-        placement = getattr(p, "_ms_placement", None)
-        if placement is None:
-            continue
-        group, dim = placement
-        full = getattr(p, "_ms_full_shape", None)
-        if group != "tp" or full is None:
-            raise CheckpointError(f"parameter {name} has _ms_placement={placement!r} and _ms_full_shape={full!r}; "
-                                  f"checkpoints handle ('tp', dim) with the full shape set (parallel/CONTRACTS.md §1)")
-        specs[name] = ShardSpec("tp", dim % p.dim(), torch.Size(full))
+def _param_specs(model, mesh) -> tuple[dict, dict[str, Sharding]]:
+    """This rank's parameters by FQN and the Sharding of each split one (comm.placement)."""
+    params = dict(model.named_parameters())
+    specs = {name: sh for name, p in params.items() if (sh := placement.sharding_of(p)) is not None}
     return params, specs
 
 
-def _buffer_specs(model) -> tuple[dict, dict[str, ShardSpec]]:
-    """This rank's persistent buffers by FQN (sparsity masks, ...) and the shard spec of each
-    tagged one: a buffer laid out like a sharded parameter carries the same tags (contract 1)."""
+def _buffer_specs(model) -> tuple[dict, dict[str, Sharding]]:
+    """This rank's persistent buffers by FQN (sparsity masks, ...) and the Sharding of each
+    split one: a buffer laid out like a sharded parameter carries the same tag."""
     buffers, specs = {}, {}
     for mod_name, mod in model.named_modules():
         for name, b in mod._buffers.items():
@@ -76,13 +67,8 @@ def _buffer_specs(model) -> tuple[dict, dict[str, ShardSpec]]:
                 continue
             fqn = f"{mod_name}.{name}" if mod_name else name
             buffers[fqn] = b
-            placement, full = getattr(b, "_ms_placement", None), getattr(b, "_ms_full_shape", None)
-            if placement is None:
-                continue
-            if placement[0] != "tp" or full is None:
-                raise CheckpointError(f"buffer {fqn} has _ms_placement={placement!r} and _ms_full_shape={full!r}; "
-                                      f"checkpoints handle ('tp', dim) with the full shape set (parallel/CONTRACTS.md §1)")
-            specs[fqn] = ShardSpec("tp", placement[1] % b.dim(), torch.Size(full))
+            if (sh := placement.sharding_of(b)) is not None:
+                specs[fqn] = sh
     return buffers, specs
 
 
@@ -105,7 +91,7 @@ def _check_buffers(saved: dict, buffers: dict, specs: dict, path: str, strict: b
     return out
 
 
-def _full_shape(p, spec: ShardSpec | None) -> list[int]:
+def _full_shape(p, spec: Sharding | None) -> list[int]:
     return list(spec.full_shape if spec is not None else p.shape)
 
 

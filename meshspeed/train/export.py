@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from meshspeed.comm import checkpoint_io as io
+from meshspeed.comm import placement
 from meshspeed.train.checkpoint import _param_specs
 from meshspeed.train.ckpt_dirs import _agree, _fsync_write
 from meshspeed.train.safetensors_io import read_safetensors_header, write_safetensors
@@ -35,7 +35,7 @@ def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = No
     if c["dp"] == 0 and c["cp"] == 0:  # one copy per stage is enough: its tp line gathers
         full = {}
         for name, p in params.items():
-            t = io.gather_full(p.detach(), specs.get(name), mesh)
+            t = placement.full_tensor(p, mesh)
             full[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         if c["tp"] == 0:
             try:

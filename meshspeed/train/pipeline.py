@@ -16,6 +16,7 @@ import torch
 
 from meshspeed import comm
 from meshspeed.comm import ConfigError
+from meshspeed.models import get_preset, recipe_for
 from meshspeed.parallel.pipeline.actions import ScheduleError
 from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 from meshspeed.parallel.pipeline.validate import validate
@@ -23,8 +24,6 @@ from meshspeed.parallel.pipeline.validate import validate
 
 def model_config(cfg):
     """The ModelConfig the trainer builds (preset + overrides, max_seq_len raised to seq_len)."""
-    from meshspeed.models import get_preset
-
     overrides = cfg.model.overrides()
     base = get_preset(cfg.model.preset, **overrides)
     if cfg.train.seq_len > base.max_seq_len:
@@ -63,19 +62,19 @@ def check(cfg, microbatches: int) -> None:
         msg = re.sub(r"use e\.g\. --microbatches (\d+)", lambda h: f"e.g. train.global_batch_size={int(h.group(1)) * per}", msg)
         raise ConfigError(f"{key} with {microbatches} microbatches (train.global_batch_size / (micro_batch_size × dp) "
                           f"= {cfg.train.global_batch_size} / {per}): {msg}") from None
-    stage_layouts(model_config(cfg), p.pp, p.vpp, p.pp_layout)  # raises ConfigError lines
+    stage_layouts(recipe_for(model_config(cfg)), p.pp, p.vpp, p.pp_layout)  # raises ConfigError lines
 
 
 class TrainerPipeline:
     """This rank's stages and runtime, plus what the trainer's step and validation need."""
 
-    def __init__(self, cfg, mesh, config, microbatches: int, device):
+    def __init__(self, cfg, mesh, recipe, microbatches: int, device):
         from meshspeed.parallel.pipeline.runtime import PipelineRuntime
         from meshspeed.parallel.pipeline.stage import build_stages
 
         p, t = cfg.parallel, cfg.train
         self.cfg, self.mesh = cfg, mesh
-        self.stages = build_stages(config, mesh, vpp=p.vpp, layout=p.pp_layout, seed=t.seed, device=device,
+        self.stages = build_stages(recipe, mesh, vpp=p.vpp, layout=p.pp_layout, seed=t.seed, device=device,
                                    sequence_parallel=p.sequence_parallel)
         self.model = self.stages.model
         self.runtime = PipelineRuntime(self.stages, mesh, p.pp_schedule, microbatches,

@@ -22,7 +22,7 @@ in-place write is RigL/SET regrowth, which zeroes the regrown weights AND their 
 moments (ZeroAdamW.reset_state_where), so bf16 storage or ZeRO cannot bring the old value back.
 
 Masks are persistent buffers (`<linear>.mask` whatever the layout, `<experts>.w1_mask`) tagged like their
-parameter (CONTRACTS.md §1), so checkpoints save and reshard them; `state_dict()` holds the
+parameter (comm.placement), so checkpoints save and reshard them; `state_dict()` holds the
 controller's position, its RNG and the SR-STE decays for the checkpoint's `extra`.
 """
 
@@ -36,7 +36,8 @@ from torch import nn
 
 from meshspeed.comm import ConfigError
 from meshspeed.models.moe import GroupedExperts
-from meshspeed.parallel.tensor import ColumnParallelLinear, RowParallelLinear, full_tensor
+from meshspeed.comm import placement
+from meshspeed.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from meshspeed.sparse import MaskController, SparseLinear, SparseParam, SparsityConfig, check_shardable
 from meshspeed.sparse import report as sparse_report
 from meshspeed.sparse.rigl import reset_regrown
@@ -81,11 +82,11 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return out
 
 
-def _gather_mask(mask: torch.Tensor, group, placement, full_shape) -> torch.Tensor:
-    if placement is None or group.size == 1:
+def _gather_mask(mask: torch.Tensor, group, sharding) -> torch.Tensor:
+    if sharding is None or group.size == 1:
         return mask.clone()
     # gloo has no bool collectives: move the mask as bytes
-    return full_tensor(mask.to(torch.uint8), group, placement, full_shape).bool()
+    return placement.full_tensor(mask.to(torch.uint8), {"tp": group}, sharding).bool()
 
 
 class _FullView:
@@ -99,16 +100,14 @@ class _FullView:
     def __init__(self, name: str, local, group, need_grad: bool):
         self.name, self.local, self.group, self.need_grad = name, local, group, need_grad
         p = local.weight
-        self.placement = getattr(p, "_ms_placement", None)
-        if self.placement is not None and self.placement[0] != "tp":
-            raise ConfigError(f"{name}: sparse training knows ('tp', dim) placements, not {self.placement!r}")
-        self.full_shape = torch.Size(getattr(p, "_ms_full_shape", p.shape))
+        self.sharding = placement.sharding_of(p)
+        if self.sharding is not None and [d for d, _ in self.sharding.axes] != ["tp"]:
+            raise ConfigError(f"{name}: sparse training knows tensor-parallel splits only, not {self.sharding}")
+        self.full_shape = self.sharding.full_shape if self.sharding is not None else p.shape
         self.nm, self.transposable = local.nm, local.transposable
         self._w: torch.Tensor | None = None
-        self.mask = _gather_mask(local.mask, group, self.placement, self.full_shape)
-        if self.placement is not None:  # checkpoints shard the mask like its weight
-            local.mask._ms_placement = self.placement
-            local.mask._ms_full_shape = self.full_shape
+        self.mask = _gather_mask(local.mask, group, self.sharding)
+        placement.tag(local.mask, self.sharding)  # checkpoints shard the mask like its weight
 
     @property
     def groups(self) -> int:
@@ -123,7 +122,7 @@ class _FullView:
         self.local.sr_ste_lambda = float(value)
 
     def _full(self, t: torch.Tensor) -> torch.Tensor:
-        return full_tensor(t.detach(), self.group, self.placement, self.full_shape)
+        return placement.full_tensor(t, {"tp": self.group}, self.sharding)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -141,10 +140,9 @@ class _FullView:
 
     def local_piece(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's torch.chunk piece of a full-shape tensor (the split of the parameter)."""
-        if self.placement is None or self.group.size == 1:
+        if self.sharding is None or self.group.size == 1:
             return full
-        dim = self.placement[1] % len(self.full_shape)
-        return torch.chunk(full, self.group.size, dim=dim)[self.group.rank].contiguous()
+        return placement.local_piece(full, self.sharding.placement("tp"), self.group.rank, self.group.size).contiguous()
 
     def set_mask(self, mask: torch.Tensor, *, check: bool = True) -> None:
         self.mask = mask.to(torch.bool)
@@ -205,7 +203,7 @@ class SparsityHook:
         over tp) and restore the controller's position."""
         for v in self.views:
             v.local.set_mask(v.local.mask.clone())
-            v.mask = _gather_mask(v.local.mask, v.group, v.placement, v.full_shape)
+            v.mask = _gather_mask(v.local.mask, v.group, v.sharding)
         if state is not None:
             self.controller.load_state_dict(state["controller"])
             for v in self.views:
@@ -239,10 +237,10 @@ def build_sparsity(section, model: nn.Module, optimizer, mesh, *, total_steps: i
     views = []
     for name, mod, pname in chosen:
         p = getattr(mod, pname)
-        placement = getattr(p, "_ms_placement", None)
-        if placement is not None and config.nm is not None:
+        sharding = placement.sharding_of(p)
+        if sharding is not None and config.nm is not None:
             try:
-                check_shardable(name, p._ms_full_shape, placement[1], group.size, config.nm,
+                check_shardable(name, sharding.full_shape, sharding.shard_dims()["tp"], group.size, config.nm,
                                 transposable=config.use_transposable)
             except ValueError as err:
                 raise ConfigError(str(err)) from None

@@ -16,10 +16,11 @@ import torch
 
 from meshspeed import comm
 from meshspeed.comm import ConfigError, ParallelDims
-from meshspeed.models import build_model, get_preset
-from meshspeed.parallel.data import build_data_parallel
+from meshspeed.models import get_preset, recipe_for
+from meshspeed.parallel.optim import build_data_parallel
 from meshspeed.parallel.optim import clip_grad_norm_, grad_norm
-from meshspeed.parallel.tensor import model_loss, parallelize
+from meshspeed.parallel.materialize import build_parallel_model
+from meshspeed.parallel.tensor import model_loss
 from meshspeed.train import checkpoint as ckpt
 from meshspeed.train import config as config_mod
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
@@ -53,14 +54,16 @@ class Trainer:
         if t.seq_len > base.max_seq_len:
             base = get_preset(cfg.model.preset, **overrides, max_seq_len=t.seq_len)
         self.model_config = base
+        self.recipe = recipe_for(base)
         torch.manual_seed(t.seed)
+        # Born sharded: built on the meta device, each rank materialises only its pieces.
         # pp > 1: this rank's stage model (other stages' layers deleted, FQNs kept) + the schedule's runtime
-        self.pipeline = TrainerPipeline(cfg, self.mesh, base, self.accum, ctx.device) if p.pp > 1 else None
+        self.pipeline = TrainerPipeline(cfg, self.mesh, self.recipe, self.accum, ctx.device) if p.pp > 1 else None
         if self.pipeline is not None:
             self.model = self.pipeline.model
         else:
-            model = build_model(base, seed=t.seed, device=ctx.device)
-            self.model = parallelize(model, self.mesh, sequence_parallel=p.sequence_parallel)
+            self.model = build_parallel_model(self.recipe, self.mesh, seed=t.seed, device=ctx.device,
+                                              sequence_parallel=p.sequence_parallel)
         self.dp, self.opt = build_data_parallel(
             self.model, self.mesh, zero=p.zero, bucket_mb=p.bucket_mb, dtype=DTYPES[t.dtype], lr=t.lr,
             weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
@@ -96,7 +99,7 @@ class Trainer:
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        loss = model_loss(self.model, x, y, aux=False)  # the cross-entropy: what metrics report
+        loss = model_loss(self.model, x, y, aux=False, plain=self.recipe.loss)  # the cross-entropy: what metrics report
         return loss, self.model.aux_loss()
 
     def train_step(self, step: int) -> dict:

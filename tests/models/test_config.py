@@ -3,19 +3,20 @@
 import pytest
 import torch
 
-from meshspeed.models import (ModelConfig, Transformer, flops_per_token, get_preset,
-                              llama_ffn_hidden, matmul_params, param_count, preset_names)
+from meshspeed.models import (ModelConfig, flops_per_token, get_preset, llama_ffn_hidden, matmul_params,
+                              param_count, preset_names, recipe_for)
 
 PUBLISHED = {
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
     "mixtral-8x7b": 46_702_792_704,
+    "qwen2-7b": 7_615_616_512,
 }
 
 
 def meta_count(config: ModelConfig) -> int:
     with torch.device("meta"):
-        model = Transformer(config)
+        model = recipe_for(config).build()
     return sum(p.numel() for p in model.parameters())  # a tied weight is listed once
 
 
@@ -39,7 +40,7 @@ def test_mixtral_active_params():
 
 @pytest.mark.parametrize("config", [
     get_preset("tiny"), get_preset("tiny-moe"), get_preset("small"),
-    get_preset("tiny", tie_embeddings=True),
+    get_preset("tiny", tie_embeddings=True), get_preset("tiny-qwen2"),
     get_preset("tiny-moe", n_layers=4, moe_every=2, first_k_dense=1, n_shared_experts=2),
     get_preset("tiny-moe", n_shared_experts=0, moe_ffn_hidden=None, n_kv_heads=None),
 ])

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from meshspeed import comm, models
-from meshspeed.parallel.data import DataParallel, build_data_parallel, plan_buckets
-from meshspeed.parallel.optim import ZeroAdamW, clip_grad_norm_, grad_norm
+from meshspeed.comm import placement
+from meshspeed.parallel.data import DataParallel, plan_buckets
+from meshspeed.parallel.optim import ZeroAdamW, build_data_parallel, clip_grad_norm_, grad_norm
 from tests import harness
 
 SEQ, MICRO, ACCUM, STEPS = 16, 12, 2, 3  # MICRO: global samples per micro-batch (divisible by 2, 3, 4)
@@ -170,8 +171,7 @@ def job_clip_tp(ctx, dp_size, tp, max_norm):
         for n, (w, _) in full.items():
             p = nn.Parameter(_shard(n, w, tp_rank, tp))
             if FAKE[n][1] is not None:
-                p._ms_placement = ("tp", FAKE[n][1])
-                p._ms_full_shape = w.shape
+                placement.tag(p, placement.Sharding(w.shape, (("tp", placement.Shard(FAKE[n][1])),)))
             ps[n] = p
         return ps
 

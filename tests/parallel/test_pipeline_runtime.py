@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from meshspeed import comm
-from meshspeed.models import build_model, cross_entropy_loss, get_preset
-from meshspeed.parallel.data import build_data_parallel
+from meshspeed.models import build_model, cross_entropy_loss, get_preset, recipe_for
+from meshspeed.parallel.optim import build_data_parallel
 from meshspeed.parallel.pipeline.runtime import PipelineRuntime
 from meshspeed.parallel.pipeline.split_backward import split_backward
 from meshspeed.parallel.pipeline.stage import build_stages, stage_layouts
-from meshspeed.parallel.tensor import full_grad
+from meshspeed.comm.placement import full_grad
 from meshspeed.train import config
 from meshspeed.train.trainer import Trainer
 from tests import harness
@@ -49,13 +49,13 @@ def job_grads(ctx, dims: dict, runs: list, preset: str = "tiny"):
     micro = [(x[s], y[s]) for s in rows]
     out = []
     for name, vpp, sp in runs:
-        stages = build_stages(cfg, mesh, vpp=vpp, seed=0, sequence_parallel=sp)
+        stages = build_stages(recipe_for(cfg), mesh, vpp=vpp, seed=0, sequence_parallel=sp)
         dp, _ = build_data_parallel(stages.model, mesh, dtype=torch.float32)
         rt = PipelineRuntime(stages, mesh, name, M, micro_batch_size=MICRO, seq_len=SEQ, sequence_parallel=sp)
         total = rt.train_step(micro, dp)
         dp.finish_grad_sync()
         loss = comm.all_reduce(total / M, mesh["dp"], "avg").item()
-        grads = {n: full_grad(p, mesh["tp"]) for n, p in stages.model.named_parameters()}
+        grads = {n: full_grad(p, mesh) for n, p in stages.model.named_parameters()}
         val = comm.all_reduce(rt.evaluate(micro) / M, mesh["dp"], "avg").item()
         dp.remove_hooks()
         keep = mesh.coords["tp"] == 0 and r == 0
@@ -200,7 +200,7 @@ def test_bad_pipeline_settings_fail_at_start_up(extra, ws, needle):
 
 def test_tied_embeddings_are_refused_for_pp():
     with pytest.raises(comm.ConfigError, match="tied embeddings"):
-        stage_layouts(get_preset("tiny", tie_embeddings=True), pp=2)
+        stage_layouts(recipe_for(get_preset("tiny", tie_embeddings=True)), pp=2)
 
 
 def test_cli_bad_pipeline_setting_is_one_line(tmp_path):

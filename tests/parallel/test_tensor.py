@@ -3,7 +3,8 @@
 Every rank builds the full single-device model (or layer) from the same seed, computes the
 reference loss and gradients, then the tensor-parallel version from the same weights; local
 outputs and gradients are compared with the matching piece of the reference (parameters
-gathered to full shape with full_grad).
+gathered to full shape with full_grad). The model is also built born sharded (meta device,
+split, each piece materialised) and must hold exactly the sliced values.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.comm.algorithms import bounds
-from meshspeed.models import build_model, cross_entropy_loss, get_preset
-from meshspeed.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorPlan,
-                                       VocabParallelEmbedding, check_tp, chunk_bounds,
-                                       default_plan, full_grad, model_loss, parallelize,
+from meshspeed.comm.placement import chunk_bounds, full_grad, sharding_of
+from meshspeed.models import build_model, cross_entropy_loss, get_preset, recipe_for
+from meshspeed.parallel.materialize import build_parallel_model
+from meshspeed.parallel.tensor import (STYLES, ColumnParallelLinear, RowParallelLinear, TensorPlan,
+                                       VocabParallelEmbedding, check_tp, model_loss, parallelize, tp_plan,
                                        vocab_parallel_cross_entropy)
 from tests import harness
 
@@ -74,11 +76,14 @@ def job_model(ctx, overrides: dict, sp: bool) -> list[str]:
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-    model = parallelize(build_model(config, seed=3), comm.ParallelDims(tp=g.size).build(ctx),
-                        sequence_parallel=sp)
+    mesh = comm.ParallelDims(tp=g.size).build(ctx)
+    model = parallelize(build_model(config, seed=3), mesh, recipe_for(config), sequence_parallel=sp)
+    # Born sharded (meta, split, materialise pieces): exactly the values sliced from the full model.
+    born = build_parallel_model(recipe_for(config), mesh, seed=3, sequence_parallel=sp)
+    bad = [f"born-sharded {n} differs" for (n, p), (m, q) in zip(model.named_parameters(), born.named_parameters())
+           if n != m or not torch.equal(p, q) or sharding_of(p) != sharding_of(q)]
     loss = model_loss(model, tokens, targets)
     loss.backward()
-    bad = []
     if not close(loss.detach(), ref_loss.detach()):
         bad.append(f"loss {loss.item()} != {ref_loss.item()}")
     params = dict(model.named_parameters())
@@ -86,13 +91,13 @@ def job_model(ctx, overrides: dict, sp: bool) -> list[str]:
         bad.append(f"parameter names differ: {sorted(set(params) ^ set(ref_grads))}")
     n_sharded = 0
     for name, p in params.items():
-        if hasattr(p, "_ms_placement"):
+        if (sh := sharding_of(p)) is not None:
             n_sharded += 1
-            want_local = piece(ref_grads[name], p._ms_placement[1], g).shape
-            if p._ms_full_shape != ref_grads[name].shape or p.shape != want_local:
-                bad.append(f"{name}: local {list(p.shape)} / full {list(p._ms_full_shape)} wrong")
+            want_local = piece(ref_grads[name], sh.shard_dims()["tp"], g).shape
+            if sh.full_shape != ref_grads[name].shape or p.shape != want_local:
+                bad.append(f"{name}: local {list(p.shape)} / full {list(sh.full_shape)} wrong")
                 continue
-        got, want = full_grad(p, g), ref_grads[name]
+        got, want = full_grad(p, {"tp": g}), ref_grads[name]
         if got is None or not close(got, want, atol=1e-6 * max(1.0, want.abs().max().item())):
             err = None if got is None else (got - want).abs().max().item()
             bad.append(f"{name}: grad max err {err}")
@@ -212,7 +217,7 @@ def test_chunk_bounds_follow_torch_chunk():
 
 def test_default_plan_prints_and_assigns():
     config = get_preset("tiny", **MOE)
-    plan = default_plan(config)
+    plan = tp_plan(recipe_for(config))
     text = str(plan)
     for pattern, style in (("layers.*.attention.wq", "colwise"), ("output", "colwise_vocab"),
                            ("tok_embeddings", "vocab_embedding"), ("layers.*.feed_forward", "moe")):
@@ -222,24 +227,24 @@ def test_default_plan_prints_and_assigns():
     assert assigned["layers.1.feed_forward"] == "moe"
     assert not any(f.startswith("layers.1.feed_forward.") for f in assigned)  # subtree claimed
     assert assigned["layers.1.attention.wo"] == "rowwise" and assigned["norm"] == "sequence_norm"
-    assert TensorPlan(plan.to_dict()) == plan
-    assert "moe" not in default_plan(get_preset("tiny")).to_dict().values()
+    assert TensorPlan(plan.to_dict(), plan.styles) == plan
+    assert "moe" not in tp_plan(recipe_for(get_preset("tiny"))).to_dict().values()
 
 
 def test_plan_errors():
     with pytest.raises(comm.ConfigError, match="style 'colwize' is unknown; valid: colwise"):
-        TensorPlan({"layers.*.attention.wq": "colwize"})
+        TensorPlan({"layers.*.attention.wq": "colwize"}, STYLES)
     with pytest.raises(comm.ConfigError, match="'colwise' needs a Linear but matched layers.0.attention "):
-        TensorPlan({"layers.*.attention": "colwise"}).assign(build_model(get_preset("tiny")))
+        TensorPlan({"layers.*.attention": "colwise"}, STYLES).assign(build_model(get_preset("tiny")))
 
 
 def test_bad_tp_gives_one_line_error_and_tp1_is_noop():
     with pytest.raises(comm.ConfigError) as err:
-        check_tp(3, get_preset("tiny", n_heads=6, n_kv_heads=2, dim=96))
+        check_tp(3, recipe_for(get_preset("tiny", n_heads=6, n_kv_heads=2, dim=96)))
     assert str(err.value) == "parallel.tp=3 does not divide n_kv_heads=2; valid tp: 1, 2"
-    model = build_model(get_preset("tiny"))
+    model, recipe = build_model(get_preset("tiny")), recipe_for(get_preset("tiny"))
     with pytest.raises(comm.ConfigError, match=r"^parallel.tp=3 does not divide n_heads=4; valid tp: 1, 2$"):
-        parallelize(model, {"tp": SimpleNamespace(size=3, rank=0)})
+        parallelize(model, {"tp": SimpleNamespace(size=3, rank=0)}, recipe)
     before = {n: p for n, p in model.named_parameters()}
-    assert parallelize(model, {"tp": SimpleNamespace(size=1, rank=0)}) is model
+    assert parallelize(model, {"tp": SimpleNamespace(size=1, rank=0)}, recipe) is model
     assert {n: p for n, p in model.named_parameters()} == before

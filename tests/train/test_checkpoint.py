@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.comm import placement
 from meshspeed.models import Transformer, get_preset, init_weights
 from meshspeed.train import checkpoint as ckpt
 from meshspeed.train.export import export_safetensors
@@ -86,7 +87,7 @@ def sharded_model(mesh, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
             continue
         owner, _, leaf = name.rpartition(".")
         q = nn.Parameter(_local(p.detach(), dim, tp, i).clone())
-        q._ms_placement, q._ms_full_shape = ("tp", dim), p.shape
+        placement.tag(q, placement.Sharding(p.shape, (("tp", placement.Shard(dim)),)))
         setattr(model.get_submodule(owner) if owner else model, leaf, q)
     return model, full
 
@@ -107,10 +108,11 @@ class StandInOptimizer:
         tp, i = mesh.dims.tp, mesh.coords["tp"]
         for name, p in self.params.items():
             self.shapes[name] = p.shape
-            full_shape = getattr(p, "_ms_full_shape", p.shape)
+            sharding = placement.sharding_of(p)
+            full_shape = sharding.full_shape if sharding is not None else p.shape
             self.state[name] = {}
             for k in STATE_KEYS:
-                local = _local(full_state(name, full_shape, k), _dim_of(name) if hasattr(p, "_ms_placement") else None,
+                local = _local(full_state(name, full_shape, k), _dim_of(name) if sharding is not None else None,
                                tp, i) if fill else torch.zeros(p.shape)
                 self.state[name][k] = self._keep(local)
 

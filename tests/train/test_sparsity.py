@@ -18,8 +18,8 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.comm import ConfigError
-from meshspeed.parallel.data import build_data_parallel
-from meshspeed.parallel.tensor import full_tensor
+from meshspeed.parallel.optim import build_data_parallel
+from meshspeed.comm.placement import full_tensor
 from meshspeed.sparse import is_nm, is_transposable_nm, mask_for
 from meshspeed.train import config
 from meshspeed.train.checkpoint import CheckpointError
@@ -41,11 +41,11 @@ def _cfg(run_dir: str, extra: list) -> config.Config:
 
 def _full_masks(trainer) -> dict[str, torch.Tensor]:
     """Every sparse weight's mask gathered from the local buffers (collective over tp)."""
-    return {v.name: _gather_mask(v.local.mask, v.group, v.placement, v.full_shape) for v in trainer.sparsity.views}
+    return {v.name: _gather_mask(v.local.mask, v.group, v.sharding) for v in trainer.sparsity.views}
 
 
 def _full_weights(trainer) -> dict[str, torch.Tensor]:
-    return {v.name: full_tensor(v.local.weight.detach(), v.group, v.placement, v.full_shape).float()
+    return {v.name: full_tensor(v.local.weight, {"tp": v.group}, v.sharding).float()
             for v in trainer.sparsity.views}
 
 

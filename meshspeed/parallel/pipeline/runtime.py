@@ -1,6 +1,6 @@
 """Execute a pipeline schedule: this rank's action list, in order, over meshspeed.comm.
 
-    stages = build_stages(model_config, mesh, vpp=2, seed=0)          # stage.py
+    stages = build_stages(recipe, mesh, vpp=2, seed=0)                # stage.py
     dp, opt = build_data_parallel(stages.model, mesh, ...)
     rt = PipelineRuntime(stages, mesh, "interleaved", microbatches=8, micro_batch_size=2, seq_len=128)
     loss_sum = rt.train_step(micro_batches, dp)                      # then clip, opt.step()
@@ -41,6 +41,7 @@ from meshspeed.parallel.pipeline.split_backward import WeightGrad, split_backwar
 from meshspeed.parallel.pipeline.stage import PipelineStages
 from meshspeed.parallel.pipeline.stage_comm import StageComm
 from meshspeed.parallel.pipeline.validate import validate
+from meshspeed.parallel.tensor import loss_fn
 
 
 @dataclass
@@ -70,7 +71,7 @@ class PipelineRuntime:
         if sequence_parallel and seq_len % tp:
             raise comm.ConfigError(f"sequence parallelism needs train.seq_len={seq_len} divisible by parallel.tp={tp}")
         # [micro, seq(/tp), dim]: every message between stages has this shape
-        self.shape = (micro_batch_size, seq_len // tp if sequence_parallel else seq_len, stages.model.config.dim)
+        self.shape = (micro_batch_size, seq_len // tp if sequence_parallel else seq_len, stages.recipe.hidden_size)
         self.positions = torch.arange(seq_len, device=self.device)
         # Posting receives early is safe on gloo, where each transfer progresses on its own.
         # On stream-ordered transports (NCCL, HCCL) an early receive queues ahead of sends to
@@ -118,8 +119,6 @@ class PipelineRuntime:
         """Forward and backward of every microbatch by the schedule. Returns the sum over
         microbatches of the cross-entropy (float64, CPU), the same on every rank; gradients
         (of the mean) are left in the parameters / DP buckets."""
-        from meshspeed.parallel.tensor import loss_fn
-
         if len(micro) != self.microbatches:
             raise ScheduleError(f"pipeline runtime built for {self.microbatches} microbatches got {len(micro)}")
         self._micro, self._dp = micro, dp
@@ -127,7 +126,7 @@ class PipelineRuntime:
         self._outbox: dict = {}
         self._live: dict[tuple[int, int], _Live] = {}
         self._losses: list[torch.Tensor] = []
-        self._loss_fn = loss_fn(self.stages.model) if self.stages.model.output is not None else None
+        self._loss_fn = loss_fn(self.stages.model, self.stages.recipe.loss) if self.stages.has_head else None
         dtype = self._dtype()
         times = [] if self.trace else None
         if self.trace:
@@ -207,7 +206,7 @@ class PipelineRuntime:
         got, live.wgrad = split_backward(live.roots, grads, inputs, chunk.parameters())
         if live.emb is not None:
             # the embedding's backward is seeded by the gradient at its output: part of W
-            live.wgrad.groups.append(([live.emb], [got[0]], [chunk.model.tok_embeddings.weight]))
+            live.wgrad.groups.append(([live.emb], [got[0]], chunk.embedding_params()))
         elif inputs:
             self._emit(B, a.microbatch, a.chunk, got[0])
         live.roots, live.leaf = [], None  # W holds what it needs
@@ -233,9 +232,7 @@ class PipelineRuntime:
         """Sum over `micro` of the cross-entropy, forward only (float64, CPU, on every rank).
         Chunk-major order (all microbatches through chunk 0, then chunk 1, ...): every rank
         only waits for activations already sent, so no schedule is needed."""
-        from meshspeed.parallel.tensor import loss_fn
-
-        fn = loss_fn(self.stages.model) if self.stages.model.output is not None else None
+        fn = loss_fn(self.stages.model, self.stages.recipe.loss) if self.stages.has_head else None
         dtype = self._dtype()
         self._inbox, self._losses = {}, []
         for c, chunk in enumerate(self.stages.chunks):

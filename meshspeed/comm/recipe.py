@@ -1,0 +1,110 @@
+"""Recipe: what a model family declares, beside its model code, about how it may be split.
+
+It lives in comm, beside the placement vocabulary, because both sides need the type and
+neither may import the other: `models/` writes recipes, `parallel/` reads them and never
+imports `models/`. A new family is a model file plus a recipe, and nothing in `parallel/`
+changes. A recipe is data (FQN patterns, names) plus the few
+callables only the family can supply (how to build it, its initial values, the extra inputs
+its blocks take). The fields:
+
+    build()                 the single-device model (called under the meta device)
+    init(fqn, shape, seed)  the full initial value of a parameter: layout independent, so a
+                            rank materialises its piece of exactly what one device would hold
+    finish(model)           recompute derived buffers (RoPE tables) once parameters are real
+    tp_plan                 ordered (FQN pattern, style) pairs, first match wins (tensor.py)
+    tp_styles               styles the family adds (e.g. its MoE layer's), same shape as built-ins
+    tp_divides              {config field: value} that the tp degree must divide (heads...)
+    pipeline                PipelineUnits: which modules a pipeline stage may hold
+    experts                 (FQN pattern, expert dim) of stacked expert weights
+    tied                    (alias FQN, owner FQN) parameters that are one Parameter
+    n_layers, hidden_size   block count; width of the hidden states between pipeline stages
+    loss                    plain (unsharded) loss: (logits, targets, ignore_index) -> mean
+    aux_loss(modules)       the family's auxiliary loss over some of its modules (MoE), or None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Style:
+    """A tensor-parallel style: the module type it applies to, what it does, and how to build
+    the parallel module `(module, tp group, sequence_parallel) -> module`."""
+
+    applies_to: type
+    doc: str
+    build: Callable[[nn.Module, object, bool], nn.Module]
+
+
+@dataclass(frozen=True)
+class PipelineUnits:
+    """The modules a pipeline stage holds. `layers` names an nn.ModuleDict of blocks keyed by
+    str(index) (deleting some keeps the others' FQNs); stage 0 runs `embedding` first and the
+    last stage runs `head` in order after the last block. Each block is called as
+    `block(h, *layer_args(model, positions))`."""
+
+    embedding: str
+    layers: str
+    head: tuple[str, ...]
+    layer_args: Callable[[nn.Module, torch.Tensor], tuple]
+
+
+def _no_aux(modules: Iterable[nn.Module]) -> torch.Tensor | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    build: Callable[[], nn.Module]
+    init: Callable[[str, torch.Size, int], torch.Tensor]
+    loss: Callable[..., torch.Tensor]
+    pipeline: PipelineUnits
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    tp_styles: dict[str, Style] = field(default_factory=dict)
+    tp_divides: dict[str, int] = field(default_factory=dict)
+    experts: tuple[tuple[str, int], ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
+    n_layers: int = 0
+    hidden_size: int = 0
+    finish: Callable[[nn.Module], None] = lambda model: None
+    aux_loss: Callable[[Iterable[nn.Module]], torch.Tensor | None] = _no_aux
+
+    def __str__(self) -> str:
+        lines = [f"recipe {self.name}: {self.n_layers} blocks in {self.pipeline.layers!r}, "
+                 f"embedding {self.pipeline.embedding!r}, head {', '.join(self.pipeline.head)}"]
+        lines += [f"  tp {p} -> {s}" for p, s in self.tp_plan]
+        lines += [f"  expert {p} (expert dim {d})" for p, d in self.experts]
+        lines += [f"  tied {a} = {o}" for a, o in self.tied]
+        return "\n".join(lines)
+
+
+def set_submodule(model: nn.Module, fqn: str, module: nn.Module | None) -> None:
+    parent, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def get_optional(model: nn.Module, fqn: str) -> nn.Module | None:
+    """The submodule at `fqn`, or None where a pipeline stage dropped it (or a parent)."""
+    m = model
+    for part in fqn.split("."):
+        m = getattr(m, part, None)
+        if m is None:
+            return None
+    return m
+
+
+def tie(model: nn.Module, recipe: Recipe) -> None:
+    """Make each tied alias the owner's Parameter again (materialising or sharding creates new
+    Parameters and would silently untie them). Skipped where a stage lacks either side."""
+    for alias, owner in recipe.tied:
+        a_mod, _, a_name = alias.rpartition(".")
+        o_mod, _, o_name = owner.rpartition(".")
+        am, om = get_optional(model, a_mod), get_optional(model, o_mod)
+        if am is not None and om is not None:
+            setattr(am, a_name, getattr(om, o_name))

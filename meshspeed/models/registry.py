@@ -1,0 +1,34 @@
+"""Model families: `ModelConfig.family` -> the family's recipe (model class, init, how it may be
+split). Adding a family is a model file with a `recipe(config)` and one line here."""
+
+from __future__ import annotations
+
+import torch
+
+from meshspeed.comm.recipe import Recipe
+
+from . import llama, qwen2
+from .config import FAMILIES, ModelConfig
+from .init import init_weights
+
+_RECIPES = {"llama": llama.recipe, "qwen2": qwen2.recipe}
+assert set(_RECIPES) == set(FAMILIES), "config.FAMILIES and the registry must list the same families"
+
+
+def recipe_for(config: ModelConfig) -> Recipe:
+    """The recipe of `config`'s family, for this config (plans depend on it: MoE, tied...)."""
+    return _RECIPES[config.family](config)
+
+
+def build_model(config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The whole single-device model: constructed on the meta device (no memory, no wasted
+    default init), materialised on `device`, then the seeded init. RoPE tables stay float32
+    whatever `dtype`. (meshspeed.parallel.materialize builds a rank's shards instead.)"""
+    with torch.device("meta"):
+        model = recipe_for(config).build()
+    model.to_empty(device=device)
+    if dtype is not None:
+        model.to(dtype)
+    init_weights(model, seed)
+    return model
