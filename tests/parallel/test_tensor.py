@@ -108,7 +108,7 @@ def job_model(ctx, overrides: dict, sp: bool) -> list[str]:
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_parallel_model_matches_single_device(tp):
-    for name, overrides in (("dense", DENSE), ("moe+tied", MOE)):
+    for name, overrides in (("dense", DENSE), ("moe+tied", MOE), ("qwen2", dict(DENSE, family="qwen2"))):
         for sp in (False, True):
             assert harness.run(tp, job_model, overrides, sp) == [[]] * tp, f"{name} sp={sp}"
 

@@ -1,7 +1,8 @@
 """The trainer end to end: every layout's float32 losses equal one process's; resume is exact.
 
 The acceptance layouts (tp 2, tp 4, dp 2 × tp 2 with sequence parallelism, dp 4 with ZeRO-1
-and ZeRO-2, the MoE preset under dp 2 × tp 2) each run 10 steps in the pooled gloo workers and
+and ZeRO-2, the MoE preset under dp 2 × tp 2, the Qwen2 family under tp 2, pp 2 and dp 2
+ZeRO-1) each run 10 steps in the pooled gloo workers and
 are compared with the same 10 steps in one process.
 """
 
@@ -58,6 +59,11 @@ LAYOUTS = [
     ("dp4-zero1", 4, [("parallel.tp", "1"), ("parallel.zero", "1")], "tiny"),
     ("dp4-zero2", 4, [("parallel.tp", "1"), ("parallel.zero", "2")], "tiny"),
     ("moe-dp2-tp2", 4, [("parallel.tp", "2"), ("model.preset", "tiny-moe"), ("model.n_kv_heads", "2")], "tiny-moe"),
+    # A family added with no change in meshspeed/parallel (q/k/v biases split with their columns).
+    ("qwen2-tp2", 2, [("parallel.tp", "2"), ("model.preset", "tiny-qwen2")], "tiny-qwen2"),
+    ("qwen2-pp2", 2, [("parallel.tp", "1"), ("parallel.pp", "2"), ("model.preset", "tiny-qwen2")], "tiny-qwen2"),
+    ("qwen2-dp2-zero1", 2, [("parallel.tp", "1"), ("parallel.zero", "1"), ("model.preset", "tiny-qwen2")],
+     "tiny-qwen2"),
 ]
 
 
