@@ -18,7 +18,7 @@ from meshspeed.sparse.masks import density, flip_count, flip_rate, is_nm, keep_c
 from meshspeed.sparse.params import MaskedWeightSTE, SparseParam
 from meshspeed.sparse.rigl import drop_grow, reset_regrown
 from meshspeed.sparse.schedule import SparsitySchedule, cosine_anneal
-from meshspeed.sparse.shard import check_shardable, shard_mask, shard_masks
+from meshspeed.sparse.shard import check_shardable
 from meshspeed.sparse.transposable import is_transposable_nm, transposable_2to4_mask, transposable_patterns
 
 __all__ = [
@@ -51,8 +51,6 @@ __all__ = [
     "report",
     "report_rows",
     "reset_regrown",
-    "shard_mask",
-    "shard_masks",
     "solve_budget",
     "sparsify",
     "sparsify_params",

@@ -1,5 +1,6 @@
-"""Masks under tensor parallelism: compute on the full logical weight, then slice, so every rank's
-shard is exactly its piece of the one global mask (ranks agree without any communication).
+"""Masks under tensor parallelism: compute on the full logical weight, then slice (with
+comm.placement, like the weight), so every rank's shard is exactly its piece of the one global
+mask (ranks agree without any communication). This module checks a split keeps the pattern.
 
 Sharding the input dim (dim -1 of [out, in]) must not cut an M-group: then every rank's shard is
 itself N:M and the 2:4 kernels can run on it. Transposable 2:4 masks are also 2:4 along dim -2, so
@@ -41,21 +42,3 @@ def check_shardable(
             f"{name}: out_features {size} over tp degree {world_size} gives {per_rank} rows per rank, not a "
             f"multiple of {m}; a transposable {nm[0]}:{m} block would straddle two ranks"
         )
-
-
-def shard_mask(full_mask: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's contiguous slice of the full mask along `dim` (same split as torch.chunk / TP)."""
-    size = full_mask.shape[dim]
-    if size % world_size:
-        raise ValueError(f"mask dim {dim} of size {size} does not split evenly over {world_size} ranks")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside [0, {world_size})")
-    step = size // world_size
-    return full_mask.narrow(dim, rank * step, step).clone()
-
-
-def shard_masks(full_mask: torch.Tensor, dim: int, world_size: int, *, name: str = "mask",
-                nm: tuple[int, int] | None = None, transposable: bool = False) -> list[torch.Tensor]:
-    """Validate, then return every rank's shard (handy for tests and for re-sharding checkpoints)."""
-    check_shardable(name, full_mask.shape, dim, world_size, nm, transposable=transposable)
-    return [shard_mask(full_mask, dim, r, world_size) for r in range(world_size)]

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from meshspeed.sparse import check_shardable, is_nm, is_transposable_nm, nm_mask, shard_mask, shard_masks, transposable_2to4_mask
+from meshspeed.comm.placement import Shard, assemble, local_piece
+from meshspeed.sparse import check_shardable, is_nm, is_transposable_nm, nm_mask, transposable_2to4_mask
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -12,10 +13,10 @@ def test_shards_are_slices_of_the_global_mask(world, dim):
     torch.manual_seed(world)
     w = torch.randn(4 * world * 2, 8 * world)  # every split below keeps whole 4-groups
     full = transposable_2to4_mask(w)
-    shards = shard_masks(full, dim, world, name="mlp.up", nm=(2, 4), transposable=True)
-    assert torch.equal(torch.cat(shards, dim=dim), full)
+    check_shardable("mlp.up", full.shape, dim, world, (2, 4), transposable=True)
+    shards = [local_piece(full, Shard(dim), r, world) for r in range(world)]  # masks split like weights
+    assert torch.equal(assemble(shards, Shard(dim)), full)
     for r, s in enumerate(shards):
-        assert torch.equal(s, shard_mask(full, dim, r, world))
         assert torch.equal(s, torch.chunk(full, world, dim=dim)[r])
         assert is_transposable_nm(s)  # each rank's piece is a valid 2:4 matrix on its own
 
@@ -45,7 +46,7 @@ def test_straddle_validation_names_layer_and_sizes():
 def test_straddling_shard_would_break_the_pattern():
     """Why the check exists: slicing inside a group leaves shards that are not N:M."""
     full = nm_mask(torch.randn(4, 8), 2, 4)
-    left = shard_mask(full, -1, 0, 4)  # 2 columns per rank
+    left = local_piece(full, Shard(-1), 0, 4)  # 2 columns per rank
     assert not is_nm(left, 2, 4)
     with pytest.raises(ValueError, match="straddle"):
-        shard_masks(full, -1, 4, nm=(2, 4))
+        check_shardable("x", full.shape, -1, 4, (2, 4))
