@@ -39,7 +39,7 @@ def stage_layouts(recipe: Recipe, pp: int, vpp: int = 1, spec: str = "") -> list
     if pp > 1 and recipe.tied:
         alias, owner = recipe.tied[0]
         raise ConfigError(f"parallel.pp={pp} with tied embeddings ({alias} = {owner}): the embedding (stage 0) and "
-                          "output head (last stage) live on different ranks; set model.tie_embeddings false to pipeline")
+                          "output head (last stage) live on different ranks; untie them (ModelConfig.tie_embeddings=False) to pipeline")
     try:
         if spec and spec.strip():
             return parse_layout(spec, pp, vpp, n_layers=n)
