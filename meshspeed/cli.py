@@ -14,6 +14,8 @@ import sys
 
 SUBCOMMANDS = [
     "meshspeed.commands.bench",
+    "meshspeed.commands.convert",
+    "meshspeed.commands.data",
     "meshspeed.commands.pipeline",
     "meshspeed.commands.train",
 ]

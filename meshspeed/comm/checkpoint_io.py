@@ -17,11 +17,17 @@ the slice each rank needs from whatever layout wrote the files.
 
 from __future__ import annotations
 
+import io
+import os
+import pathlib
+import pickle
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_fs
+import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -52,6 +58,70 @@ def _dcp(what: str, fn, *args, **kwargs):
         causes = "; ".join(f"rank {r}: {type(x[0]).__name__}: {x[0]}" for r, x in sorted(e.failures.items()))
         raise CheckpointIOError(f"DCP {what} failed on rank{'s' if len(e.failures) > 1 else ''} "
                                 f"{', '.join(map(str, sorted(e.failures)))} ({causes})") from None
+
+
+# -- reading DCP's metadata without running code from it ------------------------------------
+# DCP's `.metadata` is a pickle, and FileSystemReader unpickles it without restriction: a
+# tampered file runs any code it names. It is read here through an unpickler that can build
+# only the classes DCP's tensor metadata is made of. BytesStorageMetadata is left out on
+# purpose: meshspeed saves tensors only, and an entry of that kind makes DCP torch.load the
+# matching bytes with weights_only=False, which would let a planted shard run code.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                 "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+
+class UnsafeCheckpointError(CommError):
+    """A checkpoint file holds something that loading would execute; it was refused, not run."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f, path: str):
+        super().__init__(f)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_CLASSES:
+            return getattr({"torch.distributed.checkpoint.metadata": dcp_md, "pathlib": pathlib,
+                            "torch.distributed.checkpoint.filesystem": dcp_fs, "torch": torch,
+                            "torch.serialization": torch.serialization}[module], name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self.path} asks to load {module}.{name}, which DCP's tensor metadata never holds; refused "
+            f"without running it (was the file altered?). Restore the checkpoint from a trusted copy")
+
+
+def read_metadata(path: str):
+    """DCP's metadata of the checkpoint directory `path`, read with the allow-listed unpickler."""
+    meta_path = os.path.join(path, ".metadata")
+    with open(meta_path, "rb") as f:
+        data = f.read()
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data), meta_path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated, garbage: say so in one line
+        raise CommError(f"{meta_path} is not readable DCP metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(md, dcp_md.Metadata):
+        raise UnsafeCheckpointError(f"{meta_path} holds a {type(md).__name__}, not DCP metadata; refused")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose metadata goes through the allow-listed unpickler (its tensor data
+    is already read with torch.load(weights_only=True))."""
+
+    def read_metadata(self, *args, **kwargs):
+        md = read_metadata(str(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_md.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -108,7 +178,7 @@ def load(path: str, tensors: dict[str, torch.Tensor], specs: dict[str, Sharding]
     in the current layout) in place from the DCP checkpoint at `path`, whatever layout wrote it.
     Values are cast to each destination tensor's dtype."""
     state = _state(tensors, specs, mesh)
-    _dcp("load", dcp.load, state, storage_reader=FileSystemReader(path), no_dist=not _distributed())
+    _dcp("load", dcp.load, state, storage_reader=SafeReader(path), no_dist=not _distributed())
     # DCP copies into each DTensor's local tensor; from_local shares storage with ours, but a
     # planner is free to substitute tensors, so copy back whatever is not the same storage.
     for k, t in tensors.items():
@@ -122,5 +192,5 @@ def load(path: str, tensors: dict[str, torch.Tensor], specs: dict[str, Sharding]
 def saved_tensors(path: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """(full shape, dtype) of every tensor in the DCP checkpoint at `path`, whichever ranks wrote
     it (DCP's metadata is the union over all of them); read on this rank, no collective."""
-    md = FileSystemReader(path).read_metadata()
+    md = read_metadata(path)
     return {k: (v.size, v.properties.dtype) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}

@@ -14,8 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from meshspeed.comm import algorithms as alg
-from meshspeed.comm import cost_model
+import meshspeed.comm.algorithms as alg
+import meshspeed.comm.cost_model as cost_model
 from meshspeed.comm.desync import signature
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.group import Done, Group, Lane
@@ -39,10 +39,10 @@ def select_algo(group: Group, op: str, nbytes: int, algo: str | None, uneven: bo
         algo = forced.get(op) or (forced["*"] if forced.get("*") in cost_model.ALGOS[op] else None)
     if algo in (None, "auto"):
         key = (op, nbytes, uneven)
-        if key not in group._choices:
-            group._choices[key] = cost_model.choose(
+        if key not in group.algo_choices:
+            group.algo_choices[key] = cost_model.choose(
                 op, nbytes, group.nodes, group.backend, group.ctx.link_params, uneven)
-        return group._choices[key]
+        return group.algo_choices[key]
     valid = cost_model.ALGOS[op]
     if algo not in valid:
         raise ConfigError(f"algo={algo!r} is not an algorithm for {op}; valid: {', '.join(valid)}")
@@ -74,15 +74,25 @@ def _check_op(op: str, dtype: torch.dtype) -> None:
         raise ConfigError(f"op='avg' needs a floating-point tensor, got {dtype_name(dtype)}; use op='sum' and divide")
 
 
+def _widen(op: str, dtype: torch.dtype, divides_after_sum: bool) -> bool:
+    """An fp16 average summed in fp16 overflows (65504 is its largest value: two ranks holding
+    40000 sum to inf), so it is summed in fp32 and divided there. NCCL's native average scales
+    before summing and needs no help."""
+    return op == "avg" and dtype == torch.float16 and divides_after_sum
+
+
 def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", *, async_op: bool = False, algo: str | None = None):
     """In place over `tensor` (returned too): the elementwise reduction across the group."""
     _check_op(op, tensor.dtype)
     if group.size == 1:
         return Done(tensor) if async_op else tensor
     algo = select_algo(group, "all_reduce", _nbytes(tensor), algo)
-    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-    flat = buf.view(-1)
     native_avg = group.backend == "nccl"
+    if _widen(op, tensor.dtype, not (algo == "native" and native_avg)):
+        buf = tensor.float()  # a copy: finish() writes the average back into `tensor`
+    else:
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat = buf.view(-1)
 
     def finish():
         if op == "avg" and not (algo == "native" and native_avg):
@@ -204,6 +214,9 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, op: str = "sum", dim: int
         raise ConfigError("reduce_scatter out= is supported for dim=0 only")
     shape = (offs[me + 1] - offs[me],) + tuple(x.shape[1:])
     dest = _out_buffer(out, shape, x, "reduce_scatter") if out is not None else None
+    wide = _widen(op, x.dtype, True)  # every reduce_scatter path divides after summing
+    if wide:
+        x, dest_narrow, dest = x.float(), dest, None
     result: list[torch.Tensor] = []
 
     def finish():
@@ -212,6 +225,8 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, op: str = "sum", dim: int
             y = dest.copy_(y)
         if op == "avg":
             y.div_(group.size)
+        if wide:  # back to fp16, into the caller's buffer when there is one
+            y = dest_narrow.copy_(y) if dest_narrow is not None else y.to(tensor.dtype)
         return y if dim == 0 else y.movedim(0, dim).contiguous()
 
     if algo == "native":

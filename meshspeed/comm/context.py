@@ -14,12 +14,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshspeed.comm import cost_model
+import meshspeed.comm.cost_model as cost_model
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.group import Group
 from meshspeed.comm.trace import FlightRecorder
 
 DEFAULT_TIMEOUT_S = 300.0
+# Joining the job waits for the slowest worker to start (importing torch on a loaded machine
+# takes seconds), which has nothing to do with how long a collective may take: a short
+# MESHSPEED_TIMEOUT must not fail the start-up.
+START_TIMEOUT_S = 300.0
+# Leaving the job: rank 0 may still be writing its plot or export while the others wait.
+CLOSE_TIMEOUT_S = 120.0
 
 
 def _env_float(name: str, default: float) -> float:
@@ -68,13 +74,26 @@ class CommContext:
         self._groups: dict[tuple, Group] = {}
         self._meshes: dict = {}  # ParallelDims -> Mesh: building twice would double every group
         pg = dist.group.WORLD if world_size > 1 else None
-        self.world = Group(self, pg, list(range(world_size)), "world")
+        self.world = Group(self, pg, list(range(world_size)), "world", backend_timeout_s)
         self._groups[("world", tuple(range(world_size)))] = self.world
 
     @property
     def plain_wait(self) -> bool:
-        """The process group enforces our deadline itself (see group.wait_work)."""
+        """Every group this context makes carries its timeout, so the process group enforces our
+        deadline itself (see group.wait_work)."""
         return self.backend_timeout_s is not None and self.timeout_s >= self.backend_timeout_s
+
+    @property
+    def group_timeout(self) -> timedelta:
+        """The timeout every process group made by this context gets (the backend's own)."""
+        return timedelta(seconds=self.backend_timeout_s or self.timeout_s)
+
+    def mesh_for(self, dims, build):
+        """The mesh of `dims`, built once per context by `build()`: building twice would double
+        every group."""
+        if dims not in self._meshes:
+            self._meshes[dims] = build()
+        return self._meshes[dims]
 
     # -- topology -------------------------------------------------------------------------
     def node_of(self, rank: int) -> int:
@@ -101,9 +120,10 @@ class CommContext:
             key = (label, tuple(ranks))
             group = self._groups.get(key)
             if group is None:
-                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                pg = dist.new_group(ranks, timeout=self.group_timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
-                    group = Group(self, pg, ranks, f"{label}[{_compact(ranks)}]")
+                    group = Group(self, pg, ranks, f"{label}[{_compact(ranks)}]",
+                                  self.group_timeout.total_seconds())
                     self._groups[key] = group
             if self.rank in ranks:
                 mine = group
@@ -111,11 +131,13 @@ class CommContext:
             raise ConfigError(f"group {label!r}: rank {self.rank} is in none of {partition}")
         return mine
 
-    def adopt(self, pg, ranks: list[int], label: str) -> Group:
-        """Wrap a process group made elsewhere (a DeviceMesh's) that holds this rank."""
+    def adopt(self, pg, ranks: list[int], label: str, backend_timeout_s: float | None = None) -> Group:
+        """Wrap a process group made elsewhere (a DeviceMesh's) that holds this rank.
+        `backend_timeout_s`: the timeout it was made with, when known."""
         key = (label, tuple(ranks))
         if key not in self._groups:
-            self._groups[key] = Group(self, pg, list(ranks), f"{label}[{_compact(list(ranks))}]")
+            name = f"{label}[{_compact(list(ranks))}]"
+            self._groups[key] = Group(self, pg, list(ranks), name, backend_timeout_s)
         return self._groups[key]
 
     def single(self, label: str = "self") -> Group:
@@ -144,13 +166,19 @@ class CommContext:
         return cost_model.LinkParams.from_dict(json.loads(self.store.get("meshspeed/link_params")))
 
     def close(self) -> None:
-        """Leave the job cleanly. Every reference to the process groups is dropped before they
-        are destroyed: a ProcessGroupGloo that outlives destroy_process_group is torn down at
-        interpreter exit instead, where its threads can abort the process ("terminate called
-        without an active exception")."""
+        """Leave the job cleanly, after a run that succeeded on this rank.
+
+        A rank that failed does not call this: it exits at once (see launch.run_worker), since
+        waiting here for peers that will never come is exactly the hang to avoid. The ranks
+        meet through the store, not a collective, with a generous bound: rank 0 may still be
+        writing its plot or export, and a store wait costs nothing while it does. Every
+        reference to the process groups is dropped before they are destroyed: a
+        ProcessGroupGloo that outlives destroy_process_group is torn down at interpreter exit
+        instead, where its threads can abort the process ("terminate called without an active
+        exception")."""
         if self.world_size == 1 or not dist.is_initialized():
             return
-        dist.barrier()  # nobody tears down connections a peer is still using
+        self._store_barrier("meshspeed/close", max(self.timeout_s, CLOSE_TIMEOUT_S))
         for group in self._groups.values():
             group.pg = None
         self._groups.clear()
@@ -158,10 +186,45 @@ class CommContext:
         self.world.pg = None
         dist.destroy_process_group()
 
+    def _store_barrier(self, key: str, timeout_s: float) -> None:
+        """All ranks reach this point (or `timeout_s` passes); nobody tears down connections a
+        peer is still using. Best effort: the work is done, so a peer that is already gone is
+        not an error here."""
+        if self.store is None:
+            return
+        try:
+            if self.store.add(key, 1) == self.world_size:
+                self.store.set(f"{key}/done", "1")
+            self.store.wait([f"{key}/done"], timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - rank 0 (the store's host) may have left already
+            pass
+
 
 def launched() -> bool:
     """True under torchrun / meshspeed's own spawner (the env names this process's rank)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _elastic_store(store):
+    """torchrun's agent keeps one store for every restart of the workers, so after a restart
+    the keys of the dead attempt (gloo's peer addresses, meshspeed's own) are still there and
+    the new workers connect to addresses of processes that no longer exist. A prefix per
+    attempt gives each restart a clean namespace."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return dist.PrefixStore(f"meshspeed/attempt-{attempt}/", store) if attempt is not None else store
+
+
+def _start_barrier(store, world_size: int, timeout_s: float) -> None:
+    """Wait until every worker has joined, with the start-up bound: after this the ranks are
+    within moments of each other, so the backend's connection set-up (bounded by the
+    collective timeout, which may be seconds) does not wait on a slow starter."""
+    if store.add("meshspeed/started", 1) == world_size:
+        store.set("meshspeed/all_started", "1")
+    try:
+        store.wait(["meshspeed/all_started"], timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - DistStoreError / RuntimeError, by torch version
+        raise ConfigError(f"only some of the {world_size} workers joined the job within {timeout_s:g}s "
+                          f"(MESHSPEED_START_TIMEOUT); did a worker fail to start?") from None
 
 
 def init(backend: str | None = None, *, timeout_s: float | None = None, debug: bool | None = None,
@@ -169,10 +232,15 @@ def init(backend: str | None = None, *, timeout_s: float | None = None, debug: b
     """Join the job described by the environment (torchrun's or meshspeed spawn's variables).
 
     With no launcher and no WORLD_SIZE this is a single process with no process group at all.
-    Timeout: MESHSPEED_TIMEOUT seconds (default 300); debug desync checks: MESHSPEED_DEBUG=1;
-    ranks per node: MESHSPEED_RANKS_PER_NODE, else the launcher's LOCAL_WORLD_SIZE.
+    Timeout of every collective on every group: `timeout_s`, else MESHSPEED_TIMEOUT seconds
+    (default 300); start-up (waiting for every worker to join): MESHSPEED_START_TIMEOUT
+    (default 300, never less than the timeout); debug desync checks: MESHSPEED_DEBUG=1; ranks
+    per node: MESHSPEED_RANKS_PER_NODE, else the launcher's LOCAL_WORLD_SIZE.
     """
+    if timeout_s is not None and not timeout_s > 0:
+        raise ConfigError(f"timeout_s={timeout_s!r} must be > 0 seconds; e.g. 60")
     timeout_s = timeout_s if timeout_s is not None else _env_float("MESHSPEED_TIMEOUT", DEFAULT_TIMEOUT_S)
+    start_s = max(timeout_s, _env_float("MESHSPEED_START_TIMEOUT", START_TIMEOUT_S))
     debug = debug if debug is not None else _env_flag("MESHSPEED_DEBUG")
     cuda = torch.cuda.is_available()
     backend = backend or os.environ.get("MESHSPEED_BACKEND") or ("nccl" if cuda else "gloo")
@@ -180,12 +248,15 @@ def init(backend: str | None = None, *, timeout_s: float | None = None, debug: b
     rank, store, backend_timeout_s = 0, None, None
     if world_size > 1:
         if not dist.is_initialized():
-            store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=start_s)))
+            store = _elastic_store(store)
+            _start_barrier(store, world_size, start_s)
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            # The backend enforces the same timeout as meshspeed, so the fast path can wait
-            # without one; either way the timeout is diagnosed by meshspeed (names the
-            # missing ranks). A context asking for a shorter timeout later waits explicitly.
+            # The backend enforces the same timeout as meshspeed, on this group and on every
+            # group made later (see CommContext.split and Mesh), so the fast path can wait
+            # without one; either way the timeout is diagnosed by meshspeed (names the missing
+            # ranks). A context asking for a shorter timeout later waits explicitly.
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
             backend_timeout_s = timeout_s

@@ -14,16 +14,14 @@ even when the collective itself would hang. Two protocols use it:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from meshspeed.comm.errors import CollectiveTimeout, DesyncError
+from meshspeed.comm.protocols import GroupView
 from meshspeed.comm.trace import describe
-
-if TYPE_CHECKING:
-    from meshspeed.comm.group import Group
 
 
 def _ranks(xs) -> str:
@@ -83,7 +81,7 @@ def compare(sigs: list[dict], global_ranks: list[int], seq: int) -> str | None:
     return None
 
 
-def check(group: "Group", seq: int, sig: dict, timeout_s: float) -> None:
+def check(group: GroupView, seq: int, sig: dict, timeout_s: float) -> None:
     """Debug-mode pre-collective check. Raises DesyncError / CollectiveTimeout on every member."""
     store, me, n = group.store, group.rank, group.size
     store.set(f"sig/{seq}/{me}", json.dumps(sig))
@@ -103,24 +101,40 @@ def check(group: "Group", seq: int, sig: dict, timeout_s: float) -> None:
         raise DesyncError(f"meshspeed: desync on group {group.name}: {msg}")
 
 
-def diagnose_timeout(group: "Group", seq: int, desc: str, timeout_s: float) -> CollectiveTimeout:
-    """Build the timeout error after a collective stalled; names who never arrived."""
+def diagnose_timeout(group: GroupView, seq: int, desc: str, timeout_s: float) -> CollectiveTimeout:
+    """Build the timeout error after a collective stalled; names who never arrived.
+
+    Bounded: the store lives in one process (rank 0's, or torchrun's agent), and if that
+    process is the one that stopped answering (SIGSTOP, a frozen host) every store call would
+    block for the store's own, much longer, timeout. The polling runs on a daemon thread and
+    is abandoned after the grace period plus a margin: the error then says the store did not
+    answer instead of waiting for it."""
     store, me, n = group.store, group.rank, group.size
     if store is None:
         return _timeout_error(group, seq, desc, timeout_s, None, "")
     keys = [f"stuck/{seq}/{m}" for m in range(n)]
-    try:
-        store.set(keys[me], desc)
-        # Members that arrived time out within their arrival skew of each other; wait that long.
-        deadline = time.monotonic() + min(max(1.0, 0.5 * timeout_s), 10.0)
-        present = [me]
-        while time.monotonic() < deadline:
-            present = [m for m in range(n) if store.check([keys[m]])]
-            if len(present) == n:
-                break
-            time.sleep(0.05)
-    except Exception:  # the store itself is gone (rank 0 died): say what we know
-        present = None
+    # Members that arrived time out within their arrival skew of each other; wait that long.
+    grace = min(max(1.0, 0.5 * timeout_s), 10.0)
+    found: list = []
+
+    def poll() -> None:
+        try:
+            store.set(keys[me], desc)
+            deadline = time.monotonic() + grace
+            present = [me]
+            while time.monotonic() < deadline:
+                present = [m for m in range(n) if store.check([keys[m]])]
+                if len(present) == n:
+                    break
+                time.sleep(0.05)
+            found.append(present)
+        except Exception:  # noqa: BLE001 - the store itself is gone (rank 0 died): say what we know
+            found.append(None)
+
+    worker = threading.Thread(target=poll, name="meshspeed-diagnose", daemon=True)
+    worker.start()
+    worker.join(grace + 5.0)
+    present = found[0] if found else None
     return _timeout_error(group, seq, desc, timeout_s, present, "")
 
 
@@ -131,13 +145,16 @@ def _timeout_error(group, seq, desc, timeout_s, present, when) -> CollectiveTime
         f"{when + ' ' if when else ''}on rank {gr[group.rank]}"
     )
     if present is None:
-        who = ": could not reach the store to find which ranks are missing (is rank 0 alive?)"
+        who = (": the rendezvous store did not answer, so the missing ranks are unknown (is rank 0, or "
+               "torchrun's agent, stopped or dead?)")
     else:
         missing = [gr[m] for m in range(group.size) if m not in present]
         if missing:
+            waiting = [gr[m] for m in present]
             who = (
                 f": {'rank' if len(missing) == 1 else 'ranks'} {_ranks(missing)} did not arrive "
-                f"(ranks {_ranks(gr[m] for m in present)} are waiting in it)"
+                f"({'rank' if len(waiting) == 1 else 'ranks'} {_ranks(waiting)} "
+                f"{'is' if len(waiting) == 1 else 'are'} waiting in it)"
             )
         else:
             who = ": every rank arrived but the transfer did not finish (network or backend failure?)"

@@ -12,18 +12,17 @@ import concurrent.futures
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshspeed.comm import desync
+import meshspeed.comm.desync as desync
 from meshspeed.comm.errors import CollectiveTimeout
+from meshspeed.comm.protocols import CommView
 from meshspeed.comm.trace import FlightRecorder, describe
-
-if TYPE_CHECKING:
-    from meshspeed.comm.context import CommContext
 
 
 class Stall(Exception):
@@ -83,7 +82,7 @@ class _Worker:
 class Handle:
     """Returned by a collective called with async_op=True. `wait()` returns the result."""
 
-    def __init__(self, group: "Group", seq: int, entry: dict | None, sig: dict, pending: list, finish):
+    def __init__(self, group: Group, seq: int, entry: dict | None, sig: dict, pending: list, finish):
         self._group, self._seq, self._entry, self._sig = group, seq, entry, sig
         self._pending, self._finish = pending, finish
         self._issued = time.monotonic()
@@ -108,7 +107,7 @@ class Handle:
         deadline = self._issued + ctx.timeout_s
         try:
             for w in self._pending:
-                wait_work(w, deadline, ctx.plain_wait)
+                wait_work(w, deadline, self._group.plain_wait)
         except Stall:
             FlightRecorder.finish(self._entry, "timed_out")
             raise desync.diagnose_timeout(self._group, self._seq, self._desc(), ctx.timeout_s) from None
@@ -131,9 +130,14 @@ class Done(Handle):
 class Group:
     """Members (global ranks, in group order), this rank's index, and the means to talk to them."""
 
-    def __init__(self, ctx: "CommContext", pg, ranks: list[int], name: str):
+    def __init__(self, ctx: CommView, pg, ranks: list[int], name: str,
+                 backend_timeout_s: float | None = None):
         self.ctx = ctx
         self.pg = pg
+        # The process group's own timeout (None: unknown, e.g. a group someone else made). The
+        # backend enforces it even where meshspeed does not wait (NCCL's watchdog, DCP's
+        # collectives), so meshspeed makes every group with its timeout.
+        self.backend_timeout_s = backend_timeout_s
         self.ranks = list(ranks)
         self.size = len(ranks)
         self.rank = self.ranks.index(ctx.rank)
@@ -143,7 +147,12 @@ class Group:
         self.store = ctx.prefixed_store(f"meshspeed/{name}/") if self.size > 1 else None
         self.backend = ctx.backend
         self._worker: _Worker | None = None
-        self._choices: dict = {}  # memo of the cost model's algorithm choice per (op, bytes)
+        self.algo_choices: dict = {}  # memo of the cost model's algorithm choice per (op, bytes)
+
+    @property
+    def plain_wait(self) -> bool:
+        """The process group enforces our deadline itself (see wait_work)."""
+        return self.backend_timeout_s is not None and self.ctx.timeout_s >= self.backend_timeout_s
 
     def __repr__(self) -> str:
         return f"Group({self.name}, ranks={self.ranks}, rank={self.rank})"
@@ -236,6 +245,6 @@ class Lane:
             ops.append(dist.P2POp(dist.irecv, recv, g.ranks[src], g.pg, tag))
         if not ops:
             return
-        plain = g.ctx.plain_wait
+        plain = g.plain_wait
         for work in dist.batch_isend_irecv(ops):
             wait_work(work, self.deadline, plain)

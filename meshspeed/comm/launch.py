@@ -1,20 +1,48 @@
-"""Spawn N local worker processes that form one job (when not launched by torchrun).
+"""Spawn N local worker processes that form one job (when not launched by torchrun), and watch them.
 
 Each worker gets the same environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so code inside is identical under both. A failure
-is reported once, as one line per distinct message, instead of a traceback from every rank.
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so code inside is identical under both.
+
+Failure is designed, not left to chance:
+- a worker that raises reports the error to the launcher through its own pipe (a shared queue
+  has a lock, and a worker killed while holding it would silence every other worker) and exits
+  at once, without waiting in a barrier or a `close()` for peers that will never come;
+- the launcher watches every worker; when one fails or dies it sends the others SIGTERM (and
+  SIGCONT, so a stopped one can act on it), then SIGKILL after a grace period, and its last
+  line names the first rank that failed and why: the exception's message, or the signal;
+- killing the launcher (SIGINT, SIGTERM, SIGHUP) stops every worker, and on Linux a worker
+  whose launcher dies even by SIGKILL is killed by the kernel (PR_SET_PDEATHSIG): no orphans.
+
+Under torchrun, `run_worker` gives the same one-line report from the rank that failed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
 import traceback
 
-from meshspeed.comm.errors import CommError, ConfigError
+from meshspeed.comm.errors import ConfigError
+
+# Signals a launcher passes on to its workers (SIGINT arrives as KeyboardInterrupt).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# How long an echo of another rank's failure waits for that rank's own report.
+_ECHO_WAIT_S = 2.0
+# What a worker's death by each signal usually means, for the launcher's last line.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "out of memory?",
+    signal.SIGSEGV: "a crash in native code",
+    signal.SIGABRT: "aborted by native code",
+    signal.SIGBUS: "a bus error (shared memory full?)",
+    signal.SIGTERM: "terminated from outside",
+    signal.SIGINT: "interrupted",
+}
 
 
 def free_port() -> int:
@@ -32,82 +60,258 @@ def worker_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     }
 
 
-def _entry(fn, args, rank, nproc, port, env, errq):
+# -- the worker side ------------------------------------------------------------------------
+def headline(err: BaseException) -> str:
+    """One line saying what went wrong: a clear error's own first line, else `Type: message`."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else ""
+    if first.startswith("meshspeed: "):
+        first = first[len("meshspeed: "):]
+    if getattr(err, "one_line", False) and first:
+        return first
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
+def describe_error(err: BaseException) -> tuple[str, str]:
+    """(headline, detail): detail is the whole message for a clear error (a timeout's flight
+    recorder tail, say), else the traceback; a bug needs its traceback to be found."""
+    if getattr(err, "one_line", False):
+        return headline(err), str(err).strip()
+    return headline(err), "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this worker when its launcher dies, however it dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the launcher died before the request took effect
+        os._exit(1)
+
+
+def _exit_now(code: int) -> None:
+    """Leave without interpreter teardown: joining threads stuck on dead peers, or destroying
+    process groups mid-collective, is how a failed rank hangs or aborts on its way out."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def run_worker(fn, args: tuple = (), report=None) -> int:
+    """Run `fn(*args)` as one rank of a job; on an exception exit at once with a report.
+
+    `report` (a pipe end, from `spawn`) receives (headline, detail, echo) for the launcher to
+    print; without one (under torchrun) the rank prints them itself: one line for a clear
+    error, or the traceback and then the line for anything else, and nothing for an echo of
+    another rank's failure (`err.echo`, see errors.echo). Returns 0 when `fn` returns."""
+    try:
+        fn(*args)
+    except KeyboardInterrupt:
+        _exit_now(130)
+    except SystemExit as err:
+        if err.code in (None, 0):
+            return 0
+        _exit_now(err.code if isinstance(err.code, int) else 1)
+    except BaseException as err:  # noqa: BLE001 - every failure ends this rank now, reported
+        line, detail = describe_error(err)
+        is_echo = bool(getattr(err, "echo", False))
+        if report is not None:
+            with contextlib.suppress(Exception):
+                report.send((line, detail, is_echo))
+        elif not is_echo:
+            if detail != line:
+                print(detail, file=sys.stderr)
+            print(f"meshspeed: rank {os.environ.get('RANK', '0')}: {line}", file=sys.stderr)
+        _exit_now(1)
+    return 0
+
+
+def _entry(fn, args, rank, nproc, port, env, report, parent_pid):
+    _die_with_parent(parent_pid)
     os.environ.update(worker_env(rank, nproc, port))
     os.environ.update(env or {})
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    run_worker(fn, args, report)
+    report.close()
+
+
+# -- the launcher side ----------------------------------------------------------------------
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """Turn SIGTERM/SIGHUP into an exception in the launcher's loop, so it stops its workers
+    instead of dying and leaving them behind."""
+    def handler(signum, frame):
+        raise _Stopped(signum)
+
+    saved = {}
     try:
-        fn(*args)
-    except (ConfigError, CommError) as err:
-        errq.put((rank, "clear", str(err)))
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BaseException as err:  # noqa: BLE001 - reported to the parent, then exit non-zero
-        if isinstance(err, SystemExit) and not err.code:
+        for s in _STOP_SIGNALS:
+            saved[s] = signal.signal(s, handler)
+    except ValueError:  # not the main thread: the caller handles its own signals
+        pass
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _death(rank: int, code: int) -> str:
+    if code < 0:
+        hint = _SIGNAL_HINTS.get(-code)
+        return f"rank {rank} was killed by {_signal_name(-code)} (exit {code}){': ' + hint if hint else ''}"
+    return f"rank {rank} exited with code {code} without reporting an error"
+
+
+class _Watch:
+    """The launcher's view of its workers: reports, exit codes, the first failure."""
+
+    def __init__(self, procs, conns, grace_s: float):
+        self.procs, self.conns, self.grace_s = procs, conns, grace_s
+        self.reports: dict[int, tuple | None] = {}
+        self.first: tuple[int, str, str] | None = None  # (rank, last line, detail)
+        self.stop_at: float | None = None
+        self.echo_at: float | None = None  # when the first echo arrived
+
+    def poll(self) -> None:
+        for r, c in enumerate(self.conns):
+            if r in self.reports:
+                continue
+            try:
+                if c.poll():
+                    self.reports[r] = c.recv()
+                    if self.reports[r][2] and self.echo_at is None:
+                        self.echo_at = time.monotonic()
+            except (EOFError, OSError):  # exited (or died) without a report
+                self.reports[r] = None
+        if self.first is None:
+            self._find_first()
+
+    def _find_first(self) -> None:
+        codes = [p.exitcode for p in self.procs]
+        # Within one poll a death by signal is more likely the cause than an error (which
+        # often is a peer noticing that death), and either than a bare non-zero exit.
+        for r, code in enumerate(codes):
+            if code is not None and code < 0:
+                self.first = (r, _death(r, code), "")
+                return
+        # An echo ("failed on rank 1, see its error") waits a moment for the report it echoes.
+        settled = self.echo_at is not None and (
+            time.monotonic() - self.echo_at > _ECHO_WAIT_S or not self.alive())
+        for echo_ok in (False, True) if settled else (False,):
+            for r, rep in sorted(self.reports.items()):
+                if rep and rep[2] == echo_ok:
+                    self.first = (r, f"rank {r} failed: {rep[0]}", rep[1] if rep[1] != rep[0] else "")
+                    return
+        for r, code in enumerate(codes):
+            if code not in (None, 0) and r in self.reports and self.reports[r] is None:
+                self.first = (r, _death(r, code), "")
+                return
+
+    def stop(self) -> None:
+        """SIGTERM (and SIGCONT, for a stopped worker) to every live worker, once."""
+        if self.stop_at is not None:
             return
-        errq.put((rank, "crash", traceback.format_exc()))
-        sys.exit(1)
+        self.stop_at = time.monotonic()
+        for p in self.procs:
+            if p.is_alive():
+                for sig in (signal.SIGTERM, signal.SIGCONT):
+                    with contextlib.suppress(ProcessLookupError, TypeError):
+                        os.kill(p.pid, sig)
+
+    def escalate(self) -> None:
+        if self.stop_at is not None and time.monotonic() - self.stop_at > self.grace_s:
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+
+    def alive(self) -> bool:
+        # pid is None for a worker never started (a signal arrived while starting the others)
+        return any(p.pid is not None and p.exitcode is None for p in self.procs)
+
+    def wait_all(self) -> None:
+        """Stop everyone and wait until every worker is gone (SIGKILL after the grace)."""
+        self.stop()
+        while self.alive():
+            self.escalate()
+            time.sleep(0.05)
 
 
-def _ranks(rs: list[int]) -> str:
-    rs = sorted(rs)
-    return f"{rs[0]}-{rs[-1]}" if len(rs) > 1 and rs == list(range(rs[0], rs[-1] + 1)) else ",".join(map(str, rs))
-
-
-def spawn(fn, nproc: int, args: tuple = (), *, env: dict[str, str] | None = None, grace_s: float = 10.0) -> int:
+def spawn(fn, nproc: int, args: tuple = (), *, env: dict[str, str] | None = None,
+          grace_s: float = 5.0) -> int:
     """Run `fn(*args)` in `nproc` fresh processes forming one job; return an exit code.
 
-    `fn` must be importable (a module-level function). When a worker fails the others get
-    `grace_s` to fail on their own (usually with a clearer collective-timeout message), then
-    are terminated.
+    `fn` must be importable (a module-level function). When a worker fails or dies the others
+    are sent SIGTERM, then SIGKILL after `grace_s`; the last line printed names the first rank
+    that failed and why. SIGINT/SIGTERM/SIGHUP to the launcher stop every worker.
     """
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be ≥ 1")
     mctx = mp.get_context("spawn")
-    errq = mctx.SimpleQueue()
     port = free_port()
-    procs = [mctx.Process(target=_entry, args=(fn, args, r, nproc, port, env, errq), daemon=False)
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    failed_at = None
+    procs, conns, sends = [], [], []
+    for r in range(nproc):
+        recv, send = mctx.Pipe(duplex=False)
+        procs.append(mctx.Process(target=_entry, args=(fn, args, r, nproc, port, env, send, os.getpid()),
+                                  daemon=False))
+        conns.append(recv)
+        sends.append(send)
+    watch = _Watch(procs, conns, grace_s)
     try:
-        while any(p.is_alive() for p in procs):
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > grace_s:
-                for p in procs:
-                    if p.is_alive():
-                        p.terminate()
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        raise
+        with _signals_raise():
+            for p in procs:
+                p.start()
+            for s in sends:  # the workers hold their ends; ours would keep EOF from arriving
+                s.close()
+            while watch.alive():
+                watch.poll()
+                if watch.first is not None:
+                    watch.stop()
+                    watch.escalate()
+                time.sleep(0.05)
+            watch.poll()
+    except (_Stopped, KeyboardInterrupt) as err:
+        signum = err.signum if isinstance(err, _Stopped) else int(signal.SIGINT)
+        watch.wait_all()
+        print(f"meshspeed: stopped by {_signal_name(signum)}; all {nproc} workers stopped", file=sys.stderr)
+        return 128 + signum
     for p in procs:
         p.join()
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    return _report(errors, [p.exitcode for p in procs])
+    return _report(watch, nproc)
 
 
-def _report(errors: list[tuple], codes: list[int]) -> int:
-    if all(c == 0 for c in codes):
+def _report(watch: _Watch, nproc: int) -> int:
+    codes = [p.exitcode for p in watch.procs]
+    if all(c == 0 for c in codes) and watch.first is None:
         return 0
-    by_msg: dict[str, list[int]] = {}
-    for rank, kind, msg in errors:
-        by_msg.setdefault(msg, []).append(rank)
-    shown_crash = False
-    for msg, ranks in sorted(by_msg.items(), key=lambda kv: min(kv[1])):
-        if "Traceback" in msg:
-            if shown_crash:  # one traceback is enough; the rest are usually its echoes
-                continue
-            shown_crash = True
-        print(f"meshspeed: rank {_ranks(ranks)}: {msg.rstrip()}", file=sys.stderr)
-    if not errors:
+    if watch.first is None:  # cannot happen: a non-zero code is a failure; stay honest anyway
         print(f"meshspeed: workers exited with codes {codes}", file=sys.stderr)
+        return 1
+    rank, line, detail = watch.first
+    if detail:
+        print(detail, file=sys.stderr)
+    others = nproc - 1
+    tail = {0: "", 1: " (the other worker was stopped)"}.get(
+        others, f" (the other {others} workers were stopped)")
+    print(f"meshspeed: {line}{tail}", file=sys.stderr)
     return 1

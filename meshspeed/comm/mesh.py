@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 
 from meshspeed.comm.context import CommContext
 from meshspeed.comm.errors import ConfigError
@@ -89,11 +90,40 @@ class ParallelDims:
         out["edp"] = [line[j::self.ep] for line in lines for j in range(self.ep)]
         return out
 
-    def build(self, ctx: CommContext) -> "Mesh":
+    def build(self, ctx: CommContext) -> Mesh:
         self.check_world(ctx.world_size)
-        if self not in ctx._meshes:
-            ctx._meshes[self] = Mesh(self, ctx)
-        return ctx._meshes[self]
+        return ctx.mesh_for(self, lambda: Mesh(self, ctx))
+
+
+def _backend_options(backend: str, timeout):
+    """The backend's process-group options carrying `timeout`, or None for a backend whose
+    options class torch does not expose (its groups then get torch's default timeout, and
+    meshspeed enforces its own deadline on every wait instead)."""
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+    else:
+        return None
+    opts._timeout = timeout
+    return opts
+
+
+def _timeout_overrides(dims: ParallelDims, ctx: CommContext) -> tuple[dict, dict]:
+    """init_device_mesh makes its groups with torch's default timeout (30 min on gloo, 10 on
+    NCCL) unless told otherwise: pass the context's timeout for every dim that communicates
+    (a dim of size 1 never does). A dim spanning the whole world then gets a group of its own
+    rather than the default one, which DeviceMesh would otherwise reuse only sometimes (not for
+    gloo on a CUDA machine). Returns (backend_override, the timeout in seconds each dim's group
+    carries, None where unknown)."""
+    override, timeouts = {}, {}
+    for name in MESH_DIMS:
+        opts = _backend_options(ctx.backend, ctx.group_timeout) if getattr(dims, name) > 1 else None
+        if opts is not None:
+            override[name] = (ctx.backend, opts)
+        timeouts[name] = ctx.group_timeout.total_seconds() if opts is not None else None
+    return override, timeouts
 
 
 class Mesh:
@@ -116,12 +146,13 @@ class Mesh:
         # DTensor users and meshspeed layers share groups instead of doubling them.
         from torch.distributed.device_mesh import init_device_mesh
 
+        override, timeouts = _timeout_overrides(dims, ctx)
         self.device_mesh = init_device_mesh(ctx.device.type, tuple(getattr(dims, d) for d in MESH_DIMS),
-                                            mesh_dim_names=MESH_DIMS)
+                                            mesh_dim_names=MESH_DIMS, backend_override=override)
         for name in MESH_DIMS:
             mine = next(r for r in parts[name] if ctx.rank in r)
-            self._groups[name] = (ctx.adopt(self.device_mesh.get_group(name), mine, name) if len(mine) > 1
-                                  else ctx.single(name))
+            self._groups[name] = (ctx.adopt(self.device_mesh.get_group(name), mine, name, timeouts[name])
+                                  if len(mine) > 1 else ctx.single(name))
         for name in ("dp_cp", "ep", "edp"):
             self._groups[name] = ctx.split(parts[name], name)
         k = ctx.ranks_per_node

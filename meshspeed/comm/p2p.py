@@ -38,7 +38,7 @@ class P2PHandle:
     def wait(self) -> None:
         for work, op, entry in zip(self._works, self._ops, self._entries):
             try:
-                wait_work(work, self._deadline, self._group.ctx.plain_wait)
+                wait_work(work, self._deadline, self._group.plain_wait)
             except Stall:
                 FlightRecorder.finish(entry, "timed_out")
                 raise self._group.p2p_timeout(op.kind, op.peer) from None

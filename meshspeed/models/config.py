@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 FAMILIES = ("llama", "qwen2")  # models/registry.py maps each to its model file and recipe
 ROUTER_SOFTMAX_CHOICES = ("after_topk", "before_topk")
 MOE_IMPL_CHOICES = ("auto", "grouped_mm", "loop")
+ROPE_SCALING_CHOICES = ("none", "llama3")
 
 
 def _divisors(n: int, limit: int = 10) -> str:
@@ -65,6 +66,18 @@ class ModelConfig:
     """RoPE base frequency (Llama-3: 500000, Mixtral: 1e6)."""
     max_seq_len: int = 256
     """Longest sequence the precomputed RoPE tables cover."""
+    rope_scaling: str = "none"
+    """RoPE frequency scaling: 'none', or 'llama3' (Llama-3.1's: wavelengths longer than
+    rope_original_max_seq_len / rope_low_freq_factor are stretched by rope_scaling_factor,
+    shorter than ... / rope_high_freq_factor kept, a smooth ramp between)."""
+    rope_scaling_factor: float = 8.0
+    """'llama3' scaling: how much the long wavelengths are stretched."""
+    rope_low_freq_factor: float = 1.0
+    """'llama3' scaling: low-frequency bound (see rope_scaling)."""
+    rope_high_freq_factor: float = 4.0
+    """'llama3' scaling: high-frequency bound (see rope_scaling); > rope_low_freq_factor."""
+    rope_original_max_seq_len: int = 8192
+    """'llama3' scaling: the context length the model was pre-trained with."""
     tie_embeddings: bool = False
     """Share the output projection with the token embedding."""
     init_std: float = 0.02
@@ -147,6 +160,17 @@ class ModelConfig:
         if self.router_softmax not in ROUTER_SOFTMAX_CHOICES:
             raise ValueError(f"ModelConfig.router_softmax={self.router_softmax!r} is invalid; "
                              f"choose one of {', '.join(ROUTER_SOFTMAX_CHOICES)}")
+        if self.rope_scaling not in ROPE_SCALING_CHOICES:
+            raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} is invalid; "
+                             f"choose one of {', '.join(ROPE_SCALING_CHOICES)}")
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use a number > 0")
+        if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                             f"rope_low_freq_factor={self.rope_low_freq_factor} (Llama-3.1: 4 and 1)")
         if self.moe_impl not in MOE_IMPL_CHOICES:
             raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r} is invalid; "
                              f"choose one of {', '.join(MOE_IMPL_CHOICES)}")

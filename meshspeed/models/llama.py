@@ -13,6 +13,8 @@ wq/wk/wv (fewer local heads) runs through the same forward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,30 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         return x
     b, s, kv, d = x.shape
     return x[:, :, :, None, :].expand(b, s, kv, n_rep, d).reshape(b, s, kv * n_rep, d)
+
+
+def rope_tables(config: ModelConfig, device: torch.device | str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_seq_len, head_dim // 2] float32 for `config`, its rope_scaling included.
+
+    Unscaled configs take precompute_rope's tables unchanged. 'llama3' rescales the inverse
+    frequencies exactly as Meta's Llama-3.1 code (and transformers' `llama3` rope type) does, in
+    the same float32 operations, so imported Llama-3.1 checkpoints reproduce their logits.
+    """
+    if config.rope_scaling == "none":
+        return precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta, device=device)
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, device=device)[: d // 2].float() / d))
+    factor, low, high = config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+    old_len = config.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)  # long waves stretched
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    inv_freq = torch.where(medium, smoothed, scaled)
+    angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
 
 
 class Attention(nn.Module):
@@ -102,7 +128,7 @@ class Transformer(nn.Module):
         self.tie_weights()
         # Non-persistent: derived from the config, so checkpoints neither carry nor reshard them.
         # init_rope() recomputes them after meta-device construction + to_empty().
-        cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, head_dim // 2]
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -120,8 +146,7 @@ class Transformer(nn.Module):
     def init_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the float32 RoPE tables, e.g. after to_empty() or a cast to bf16."""
         device = self.rope_cos.device if device is None else device
-        cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len,
-                                   self.config.rope_theta, device=device)
+        cos, sin = rope_tables(self.config, device=device)
         self.rope_cos, self.rope_sin = cos, sin
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -91,7 +91,8 @@ def decide_path(
     if not use_kernels:
         return PathDecision(DENSE_MASKED, "sparse kernels off (sparsity.use_sparse_kernels=false)")
     if device_type != "cuda":
-        return PathDecision(DENSE_MASKED, "no CUDA" if device_type == "cpu" else f"device {device_type} has no 2:4 kernels")
+        # the weight's device decides, not the machine: a CPU layer on a GPU host is not "no CUDA"
+        return PathDecision(DENSE_MASKED, f"weight on {device_type}: 2:4 kernels need CUDA")
     if capability is None or tuple(capability) < (8, 0):
         return PathDecision(DENSE_MASKED, f"compute capability {capability} below sm80")
     if dtype not in _HALF:
@@ -126,11 +127,14 @@ def default_compress(dense: torch.Tensor) -> torch.Tensor:
 
 
 class CompressedWeight:
-    """Compressed masked weight (and its transpose), rebuilt only when weight, mask or dtype change.
+    """Compressed masked weight (and its transpose), reused between optimizer steps.
 
-    The cache key holds weight._version (bumped by every in-place optimizer update), the mask's
-    _version and the layer's mask counter, so gradient-accumulation micro-batches and repeated
-    forwards between optimizer steps reuse one compression.
+    Gradient-accumulation micro-batches and repeated forwards between optimizer steps reuse
+    one compression. The cache cannot see every write to the weight: data parallelism updates
+    weights through views of its flat buckets, and such writes leave `weight._version` alone.
+    So whoever updates the weights invalidates explicitly — the trainer calls
+    `invalidate_compressed(model)` after every optimizer step. The key (weight storage and
+    version, mask and its counter, dtype) still catches direct in-place writes and mask changes.
     """
 
     def __init__(self, compress: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -153,6 +157,18 @@ class CompressedWeight:
 
     def clear(self) -> None:
         self.key = self.w = self.wt = None
+
+
+def invalidate_compressed(model: torch.nn.Module) -> int:
+    """Drop every compressed weight cached in `model`'s modules (call after each optimizer
+    step); returns how many caches were cleared."""
+    n = 0
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, CompressedWeight):
+                value.clear()
+                n += 1
+    return n
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

@@ -8,12 +8,19 @@ A checkpoint is a directory `run_dir/step-000100/`:
     rng/rank-00003.pt         each rank's torch CPU/CUDA and Python RNG states
     state.pt                  step, scheduler state, extra, config, optimizer scalars (rank 0)
     meta.json                 readable summary: step, layout, world size, versions, config
-    COMPLETE                  written last: a `step-N` directory without it is not a checkpoint
+    COMPLETE                  a `step-N` directory without it is not a checkpoint
+    MANIFEST.json             written last: every other file with its size and SHA-256 (manifest.py)
 
 Atomicity: everything is written under `step-000100.tmp-<nonce>`; only after every rank has
 reported success (an all-gather of ok flags, so a failure on one rank fails the save on all
-without a hang) does rank 0 write COMPLETE and rename the directory into place. A crash leaves a
-`.tmp-` directory that `latest_checkpoint` ignores and the next save deletes.
+without a hang) does rank 0 write COMPLETE and the manifest and rename the directory into
+place. A crash leaves a `.tmp-` directory that `latest_checkpoint` ignores and the next save
+deletes. A state holding a NaN or inf is never saved.
+
+Trust: loading verifies every file against the manifest first, and never unpickles without
+restriction: state and RNG files load with torch.load(weights_only=True), DCP's `.metadata`
+through an allow-listed unpickler (comm.checkpoint_io), so a planted pickle payload is refused,
+not run.
 
 Resharding: tensors are saved as DTensors of the layout that wrote them and loaded into DTensors
 built for the current one (`meshspeed.comm.checkpoint_io`), so tp, dp and ZeRO may all change.
@@ -25,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import random
 import shutil
 import time
@@ -33,13 +41,26 @@ import warnings
 import torch
 
 from meshspeed import comm
-from meshspeed.comm import ConfigError
+from meshspeed.comm import ConfigError, placement
 from meshspeed.comm import checkpoint_io as io
-from meshspeed.comm import placement
+from meshspeed.comm.errors import echo
 from meshspeed.comm.placement import Sharding
-from meshspeed.train.ckpt_dirs import (COMPLETE, CheckpointError, _agree, _clean_stale, _fsync_dir, _fsync_write, _prune,
-                                       _publish, _resolve, _shared_nonce, _torch_save, latest_checkpoint,
-                                       list_checkpoints)
+from meshspeed.train import manifest
+from meshspeed.train.ckpt_dirs import (
+    COMPLETE,
+    CheckpointError,
+    agree,
+    clean_stale,
+    fsync_dir,
+    fsync_write,
+    latest_checkpoint,
+    list_checkpoints,
+    prune,
+    publish,
+    resolve,
+    shared_nonce,
+    torch_save,
+)
 from meshspeed.train.safetensors_io import read_safetensors, write_safetensors
 
 FORMAT = "meshspeed-checkpoint/1"
@@ -139,6 +160,14 @@ def _plain(obj, where: str):
     return obj
 
 
+def _first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor holding a NaN or inf, or None."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            return name
+    return None
+
+
 def _rng_state() -> dict:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return {"cpu": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
@@ -153,7 +182,7 @@ def _set_rng_state(state: dict) -> None:
 
 def _save_rng(directory: str, rank: int) -> None:
     os.makedirs(os.path.join(directory, RNG_DIR), exist_ok=True)
-    _torch_save(_rng_state(), os.path.join(directory, RNG_DIR, f"rank-{rank:05d}.pt"))
+    torch_save(_rng_state(), os.path.join(directory, RNG_DIR, f"rank-{rank:05d}.pt"))
 
 
 # -- save -----------------------------------------------------------------------------------
@@ -185,12 +214,18 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, schedule
         state["optimizer"] = _plain(scalars, "optimizer scalars")
         tensors.update(t2)
         tspecs.update(s2)
+    # A NaN that reached the weights or the optimizer must not become the newest checkpoint
+    # (and, through pruning, the only one): refuse, on every rank.
+    bad = _first_nonfinite(tensors)
+    refusal = CheckpointError(f"refusing to save checkpoint step {step}: {bad} holds non-finite values (NaN "
+                              f"or inf); the newest checkpoint is still the last good one") if bad else None
+    agree(mesh, refusal, f"saving checkpoint step {step}")
     # The tensor index is DCP's .metadata (the union of every rank's writes, pipeline stages
     # included); meta.json is for people and tools.
     meta = {"format": FORMAT, "step": int(step), "time": time.time(), "world_size": ctx.world_size,
             "layout": dataclasses.asdict(mesh.dims), "torch": torch.__version__,
             "optimizer": optimizer is not None, "config": state["config"]}
-    nonce = _shared_nonce(mesh)
+    nonce = shared_nonce(mesh)
     final = os.path.join(run_dir, f"step-{step:06d}")
     tmp = f"{final}.tmp-{nonce}"
     what = f"saving checkpoint step {step} to {final}"
@@ -199,11 +234,11 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, schedule
     if lead:
         try:
             os.makedirs(run_dir, exist_ok=True)
-            _clean_stale(run_dir)  # left by a crashed save
+            clean_stale(run_dir)  # left by a crashed save
             os.makedirs(tmp)
-        except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
+        except Exception as e:  # noqa: BLE001 - reported on every rank by agree
             err = e
-    _agree(mesh, err, what)
+    agree(mesh, err, what)
     try:
         try:
             io.save(tmp, tensors, tspecs, mesh)
@@ -211,24 +246,26 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, schedule
             raise CheckpointError(f"{what} failed: {e}") from None
         try:
             _save_rng(tmp, ctx.rank)
+            manifest.write_part(tmp, ctx.rank)  # hashes of what this rank wrote, while it is cached
         except Exception as e:  # noqa: BLE001
             err = e
-        _agree(mesh, err, what)
+        agree(mesh, err, what)
         if lead:
             try:
-                _torch_save(state, os.path.join(tmp, STATE))
-                _fsync_write(os.path.join(tmp, META), json.dumps(meta, indent=1, default=str).encode())
-                _fsync_write(os.path.join(tmp, COMPLETE), f"{step}\n".encode())
-                _fsync_dir(tmp)
-                _publish(tmp, final, nonce)
+                torch_save(state, os.path.join(tmp, STATE))
+                fsync_write(os.path.join(tmp, META), json.dumps(meta, indent=1, default=str).encode())
+                fsync_write(os.path.join(tmp, COMPLETE), f"{step}\n".encode())
+                manifest.write_manifest(tmp, step)  # the last file: lists every other one
+                fsync_dir(tmp)
+                publish(tmp, final, nonce)
             except Exception as e:  # noqa: BLE001
                 err = e
             if err is None and keep is not None:
                 try:
-                    _prune(run_dir, keep, final)
+                    prune(run_dir, keep, final)
                 except OSError as e:  # the checkpoint itself is safe; do not fail the step for this
                     warnings.warn(f"could not delete old checkpoints in {run_dir}: {e}", stacklevel=2)
-        _agree(mesh, err, what)
+        agree(mesh, err, what)
     except BaseException:
         if lead:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -279,22 +316,44 @@ def _optimizer_buffers(saved: dict, params: dict, specs: dict, path: str):
     return tensors, tspecs, where
 
 
-def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, restore_rng: bool = True) -> dict:
+def _load_plain(path: str):
+    """torch.load of plain data only (weights_only): a pickle that names code is refused, never run."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"{path} holds pickled objects a checkpoint never needs (code, or classes "
+                              f"beyond plain data and tensors); refused without running them (was the "
+                              f"file altered?)") from None
+
+
+def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, restore_rng: bool = True,
+                    verify: bool = True) -> dict:
     """Collective over the world: restore model, optimizer, RNG from `path` (a checkpoint, or a
     run directory meaning its latest complete one), whatever layout saved it.
 
-    Returns {"path", "step", "scheduler_state", "extra", "config", "rng_restored"}. RNG states
-    come back only when the world size is unchanged (each rank takes its own stream back).
+    `verify`: check every file against the checkpoint's manifest first (sizes and SHA-256, each
+    rank hashing a share); a mismatch is an error naming the file. Nothing is unpickled without
+    restriction either way. Returns {"path", "step", "scheduler_state", "extra", "config",
+    "rng_restored"}. RNG states come back only when the world size is unchanged (each rank
+    takes its own stream back).
     """
     ctx = mesh.ctx
     resolved, meta, err = None, None, None
     try:
-        resolved = _resolve(path)
+        resolved = resolve(path)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    agree(mesh, err, f"loading checkpoint {path}")
+    if verify:
+        reason = manifest.verify(resolved, mesh)
+        if reason:  # the same on every rank: rank 0 reports it
+            raise echo(CheckpointError(f"checkpoint {resolved} does not verify: {reason}"), ctx.rank != 0)
+    try:
         with open(os.path.join(resolved, META)) as f:
             meta = json.load(f)
     except Exception as e:  # noqa: BLE001
         err = e
-    _agree(mesh, err, f"loading checkpoint {path}")
+    agree(mesh, err, f"loading checkpoint {path}")
     step = torch.tensor([int(meta["step"])], dtype=torch.int64, device=ctx.device)
     steps = comm.all_gather(step, mesh["world"]).tolist()
     if len(set(steps)) > 1:
@@ -319,16 +378,20 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, r
             buffers, bspecs, where = _optimizer_buffers(saved, params, specs, resolved)
             tensors.update(buffers)
             tspecs.update(bspecs)
-        state = torch.load(os.path.join(resolved, STATE), map_location="cpu", weights_only=True)
+        state = _load_plain(os.path.join(resolved, STATE))
     except Exception as e:  # noqa: BLE001
         err = e
-    _agree(mesh, err, f"loading checkpoint {resolved}")
+    agree(mesh, err, f"loading checkpoint {resolved}")
 
     try:
         with torch.no_grad():
             io.load(resolved, tensors, tspecs, mesh)
     except io.CheckpointIOError as e:
-        raise CheckpointError(f"loading checkpoint {resolved} failed: {e}") from None
+        why = str(e).splitlines()[0]
+        if "Weights only load failed" in str(e):  # torch.load(weights_only=True) met pickled code
+            why = ("a tensor file holds pickled objects a checkpoint never needs (code, or classes beyond "
+                   "tensors); refused without running them (was the file altered?)")
+        raise CheckpointError(f"loading checkpoint {resolved} failed: {why}") from None
     if optimizer is not None:
         per: dict = dict(state["optimizer"])
         for key, t in buffers.items():
@@ -338,7 +401,7 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, r
 
     rng_ok = restore_rng and meta["world_size"] == ctx.world_size
     if rng_ok:
-        _set_rng_state(torch.load(os.path.join(resolved, RNG_DIR, f"rank-{ctx.rank:05d}.pt"), weights_only=True))
+        _set_rng_state(_load_plain(os.path.join(resolved, RNG_DIR, f"rank-{ctx.rank:05d}.pt")))
     return {"path": resolved, "step": state["step"], "scheduler_state": state["scheduler_state"],
             "extra": state["extra"], "config": state["config"], "rng_restored": rng_ok}
 

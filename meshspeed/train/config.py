@@ -35,6 +35,9 @@ class ModelSection:
     dim: int = opt(0, "override the preset's hidden size (0 = keep)")
     n_heads: int = opt(0, "override the preset's attention heads (0 = keep)")
     n_kv_heads: int = opt(0, "override the preset's key/value heads (0 = keep)")
+    init_from: str = opt("", "start from this Hugging Face model directory (config.json + safetensors; "
+                             "each rank reads only its slices) or meshspeed checkpoint: architecture and "
+                             "weights come from it and model.preset is not used")
 
     def overrides(self) -> dict:
         return {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads") if (v := getattr(self, k))}
@@ -75,6 +78,8 @@ class TrainSection:
     eval_batches: int = opt(4, "validation batches (of global_batch_size sequences) per measurement")
     exit_interval: int = opt(0, "save a checkpoint and exit when the step is a multiple of this, before "
                                 "train.steps (0 = never); resume later with --checkpoint.resume latest")
+    max_bad_steps: int = opt(5, "a step whose loss or gradient norm is not finite is skipped (no update, "
+                                "counted in metrics.jsonl); this many in a row stop the run with an error")
 
 
 @dataclass
@@ -82,20 +87,34 @@ class DataSection:
     path: str = opt("", "text file/dir or token file; empty = the Python standard library's sources")
     format: str = opt("text", "how to read data.path", ("text", "uint16", "uint32"))
     max_mb: float = opt(8.0, "cap on the embedded corpus size (MB), to keep its first build quick")
+    tokenizer: str = opt("bytes", "'bytes' (token = byte, vocabulary 256) or a Hugging Face tokenizer: a "
+                                  "directory holding tokenizer.json, or the file; its vocabulary must fit the "
+                                  "model's")
 
 
 @dataclass
 class RunSection:
     dir: str = opt("runs/tiny", "where metrics.jsonl, plots and checkpoints go")
     log_interval: int = opt(10, "steps between progress lines when the output is not a terminal")
+    timeout: float = opt(0.0, "seconds any collective on any group may wait before the run fails naming the "
+                              "missing ranks (0 = $MESHSPEED_TIMEOUT, else 300)")
+    overwrite: bool = opt(False, "start fresh in a run.dir that already holds checkpoints or metrics, "
+                                 "deleting them (without it such a run.dir is refused unless resuming); "
+                                 "after a torchrun restart it resumes instead: a restart never deletes "
+                                 "progress")
 
 
 @dataclass
 class CheckpointSection:
     interval: int = opt(0, "steps between checkpoints (0 = only at the end of training)")
-    resume: str = opt("", "'latest' or a checkpoint directory to resume from")
+    resume: str = opt("", "resume from 'latest' (the newest checkpoint in run.dir that verifies; an "
+                          "error if none), 'auto' (the same, or a fresh start when run.dir has none: for "
+                          "restarts) or a checkpoint directory (an error if it does not verify)")
     keep: int = opt(3, "checkpoints to keep (older ones are deleted)")
     export_safetensors: bool = opt(False, "also export the final model to model.safetensors")
+    export_hf: bool = opt(False, "also export the final model as a Hugging Face directory run.dir/hf "
+                                 "(config.json, safetensors shards + index, the tokenizer's files) that "
+                                 "from_pretrained loads")
 
 
 @dataclass
@@ -220,9 +239,16 @@ def validate(cfg: Config) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value} must be ≥ 1")
     for key, value in [("parallel.dp", p.dp), ("train.warmup_steps", t.warmup_steps), ("train.exit_interval", t.exit_interval),
-                       ("checkpoint.interval", c.interval), ("train.eval_interval", t.eval_interval)]:
-        if value < 0:
+                       ("checkpoint.interval", c.interval), ("train.eval_interval", t.eval_interval),
+                       ("run.timeout", cfg.run.timeout)]:
+        if not value >= 0:
             raise ConfigError(f"{key}={value} must be ≥ 0")
+    if t.max_bad_steps < 1:
+        raise ConfigError(f"train.max_bad_steps={t.max_bad_steps} must be ≥ 1 (the run stops after this "
+                          f"many non-finite steps in a row)")
+    if cfg.run.overwrite and c.resume:
+        raise ConfigError(f"run.overwrite=true deletes what checkpoint.resume={c.resume!r} would load; "
+                          f"choose one of them")
     if not t.lr > 0:
         raise ConfigError(f"train.lr={t.lr} must be > 0")
     if not 0 <= t.min_lr_ratio <= 1:
@@ -254,7 +280,9 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[int, int]:
         good = per_step * max(1, round(t.global_batch_size / per_step))
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size × dp "
                           f"= {t.micro_batch_size} × {dp} = {per_step}; e.g. train.global_batch_size={good}")
-    from meshspeed.train.pipeline import check  # schedule, microbatches, stage layout: before any worker starts
+    from meshspeed.train.pipeline import (
+        check,  # schedule, microbatches, stage layout: before any worker starts
+    )
     check(cfg, t.global_batch_size // per_step)
     return dp, t.global_batch_size // per_step
 

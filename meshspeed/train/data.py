@@ -24,9 +24,15 @@ from collections.abc import Iterator
 
 import torch
 
-from meshspeed.train.corpus import (DEFAULT_MAX_MB, DEFAULT_VAL_FRACTION, FORMATS, Corpus,  # noqa: F401
-                                    DataError, load_corpus)
-from meshspeed.train.tokenizer import ByteTokenizer  # noqa: F401
+from meshspeed.train.corpus import (  # noqa: F401
+    DEFAULT_MAX_MB,
+    DEFAULT_VAL_FRACTION,
+    FORMATS,
+    Corpus,
+    DataError,
+    load_corpus,
+)
+from meshspeed.train.tokenizer import ByteTokenizer
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs [micro, seq], targets [micro, seq]) int64
 
@@ -54,12 +60,28 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp_size: i
 
 
 def load_tokens(path: str | None = "", format: str = "text", *, max_mb: float = DEFAULT_MAX_MB,
-                val_fraction: float = DEFAULT_VAL_FRACTION, cache_dir: str | None = None
+                val_fraction: float = DEFAULT_VAL_FRACTION, cache_dir: str | None = None, tokenizer=None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(train tokens, validation tokens) for `data.path` / `data.format`: `load_corpus` without
-    the metadata."""
+    the metadata. Text read with a Hugging Face `tokenizer` (data.tokenizer) is re-tokenized
+    from the byte corpus (same files, same split); token files are already tokens."""
     c = load_corpus(path, format, max_mb=max_mb, val_fraction=val_fraction, cache_dir=cache_dir)
-    return c.train, c.val
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer) or format != "text":
+        return c.train, c.val
+    return retokenize(c.train, tokenizer), retokenize(c.val, tokenizer)
+
+
+def retokenize(data: torch.Tensor, tokenizer) -> torch.Tensor:
+    """A byte corpus (documents separated by NUL) as `tokenizer`'s ids, documents separated by
+    its end-of-document token (when it has one). int32: every vocabulary fits. In memory and
+    on every rank: for large corpora `meshspeed data prepare` writes a token file once."""
+    docs = [d.decode("utf-8", errors="replace") for d in bytes(data.numpy()).split(b"\0") if d]
+    ids: list[int] = []
+    for doc in tokenizer.encode_batch(docs):
+        ids += doc
+        if tokenizer.eot is not None:
+            ids.append(tokenizer.eot)
+    return torch.tensor(ids, dtype=torch.int32)
 
 
 class _Batches:

@@ -14,9 +14,23 @@ import os
 import torch
 
 from meshspeed.comm import placement
-from meshspeed.train.checkpoint import _param_specs
-from meshspeed.train.ckpt_dirs import _agree, _fsync_write
+from meshspeed.sparse.linear import SparseLinear
+from meshspeed.sparse.params import REGISTRY_ATTR
+from meshspeed.train.ckpt_dirs import agree, fsync_write
 from meshspeed.train.safetensors_io import read_safetensors_header, write_safetensors
+
+
+def weight_masks(model) -> dict[str, torch.Tensor]:
+    """{parameter FQN: its sparsity mask} for every masked weight: SparseLinear layers and
+    masks attached to raw parameters (SparseParam). Each mask is laid out like its weight."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(mod, SparseLinear):
+            out[prefix + "weight"] = mod.mask
+        for pname, sp in mod.__dict__.get(REGISTRY_ATTR, {}).items():
+            out[prefix + pname] = getattr(mod, sp.mask_name)
+    return out
 
 
 def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = None,
@@ -26,16 +40,19 @@ def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = No
     One file at `path` when pp=1. With pipeline stages, each stage's first rank writes
     `<stem>-0000s-of-0000P.safetensors` and rank 0 adds the Hugging Face index
     `<path>.index.json` ({"weight_map": {name: file}}). `dtype` casts floating tensors.
+    Sparse weights are exported masked: what the model computes with, not the dense values
+    the optimizer keeps under the mask.
     """
-    params, specs = _param_specs(model, mesh)
+    params = dict(model.named_parameters())  # this rank's pieces; each carries its Sharding
     c, pp = mesh.coords, mesh.dims.pp
     stem = path[: -len(".safetensors")] if path.endswith(".safetensors") else path
     files = [path] if pp == 1 else [f"{stem}-{s + 1:05d}-of-{pp:05d}.safetensors" for s in range(pp)]
     err = None
     if c["dp"] == 0 and c["cp"] == 0:  # one copy per stage is enough: its tp line gathers
-        full = {}
+        full, masks = {}, weight_masks(model)
         for name, p in params.items():
-            t = placement.full_tensor(p, mesh)
+            local = p.detach() * masks[name] if name in masks else p.detach()  # the mask is sharded like p
+            t = placement.full_tensor(local, mesh, placement.sharding_of(p))
             full[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         if c["tp"] == 0:
             try:
@@ -45,7 +62,7 @@ def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = No
                 write_safetensors(files[c["pp"]], full, meta)
             except Exception as e:  # noqa: BLE001
                 err = e
-    _agree(mesh, err, f"exporting safetensors to {path}")
+    agree(mesh, err, f"exporting safetensors to {path}")
     if pp > 1:
         if mesh.ctx.rank == 0:
             try:
@@ -55,9 +72,9 @@ def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = No
                     weight_map.update({k: os.path.basename(f) for k in header})
                     total += sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                _fsync_write(f"{stem}.safetensors.index.json", json.dumps(index, indent=1).encode())
+                fsync_write(f"{stem}.safetensors.index.json", json.dumps(index, indent=1).encode())
             except Exception as e:  # noqa: BLE001
                 err = e
-        _agree(mesh, err, f"writing the safetensors index for {path}")
+        agree(mesh, err, f"writing the safetensors index for {path}")
         files = files + [f"{stem}.safetensors.index.json"]
     return files

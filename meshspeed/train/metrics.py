@@ -2,7 +2,9 @@
 
 Only rank 0 writes. metrics.jsonl holds one JSON object per step (step, loss, lr, grad_norm,
 tokens_per_s, and val_loss when measured); it is the record that resume-equality and layout
-parity are checked against, so it is flushed every step.
+parity are checked against, so it is flushed every step. A step skipped for a non-finite loss
+or gradient norm has "skipped": true and null in place of the non-finite numbers (strict JSON
+has no NaN), and from then on every row counts "skipped_steps".
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) ->
     span = max(1, total - warmup)
     progress = min(1.0, (step - warmup) / span)
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _finite_or_none(row: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def _fmt(v, spec: str) -> str:
+    return "nan" if v is None else format(v, spec)
 
 
 class MetricsLogger:
@@ -56,6 +66,7 @@ class MetricsLogger:
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
+        row = _finite_or_none(row)
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -70,10 +81,12 @@ class MetricsLogger:
         done = step - self.start_step
         elapsed = time.monotonic() - self.t_start
         eta = elapsed / max(done, 1) * (self.total - step)
-        val = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
+        val = f" val {_fmt(row['val_loss'], '.4f')}" if "val_loss" in row else ""
+        val += " (update skipped: not finite)" if row.get("skipped") else ""
         width = 24
         filled = int(width * step / self.total)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} loss {row['loss']:.4f}{val} "
+        loss = _fmt(row["loss"], ".4f")
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} loss {loss}{val} "
                 f"lr {row['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {eta:4.0f}s")
         if self.tty:
             print(f"\r{line}", end="\n" if step == self.total else "", file=sys.stderr, flush=True)
@@ -96,8 +109,10 @@ class MetricsLogger:
         except ImportError:
             return None
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        ax.plot([r["step"] for r in self.rows], [r["loss"] for r in self.rows], label="train", linewidth=1)
-        val = [r for r in self.rows if "val_loss" in r]
+        nan = float("nan")  # a skipped step's null loss: a gap in the curve
+        ax.plot([r["step"] for r in self.rows], [nan if r["loss"] is None else r["loss"] for r in self.rows],
+                label="train", linewidth=1)
+        val = [r for r in self.rows if r.get("val_loss") is not None]
         if val:
             ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
         ax.set_xlabel("step")

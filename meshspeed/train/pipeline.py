@@ -14,21 +14,21 @@ import re
 
 import torch
 
-from meshspeed import comm
 from meshspeed.comm import ConfigError
-from meshspeed.models import get_preset, recipe_for
+from meshspeed.models import recipe_for
+from meshspeed.train.hf_io import init_from
+from meshspeed.train.model_source import preset_config
 from meshspeed.parallel.pipeline.actions import ScheduleError
 from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 from meshspeed.parallel.pipeline.validate import validate
 
 
 def model_config(cfg):
-    """The ModelConfig the trainer builds (preset + overrides, max_seq_len raised to seq_len)."""
-    overrides = cfg.model.overrides()
-    base = get_preset(cfg.model.preset, **overrides)
-    if cfg.train.seq_len > base.max_seq_len:
-        base = get_preset(cfg.model.preset, **overrides, max_seq_len=cfg.train.seq_len)
-    return base
+    """The ModelConfig the trainer builds: from model.init_from's directory when set, else the
+    preset + overrides, max_seq_len raised to seq_len."""
+    if cfg.model.init_from:
+        return init_from(cfg)[0]
+    return preset_config(cfg.model.preset, cfg.model.overrides(), cfg.train.seq_len)
 
 
 def check(cfg, microbatches: int) -> None:
@@ -83,19 +83,22 @@ class TrainerPipeline:
         self.trace_files: dict | None = None
 
     def train_step(self, micro, dp, step: int) -> torch.Tensor:
-        """Sum over this rank's micro-batches of the loss (float64, CPU; same on all pp ranks)."""
+        """Sum over this rank's micro-batches of the loss (float64, CPU; same on all pp ranks);
+        the trainer moves it to the backend's device before reducing over dp."""
         total = self.runtime.train_step(micro, dp)
         if self.cfg.parallel.pp_trace and step == self.cfg.train.steps - 1:
             self.trace_files = self.write_trace(step)
         return total
 
-    def validate(self, val_loader) -> float:
+    def validate(self, val_loader) -> tuple[torch.Tensor, int]:
+        """(sum of the validation losses, their count) on this data-parallel rank; the trainer
+        averages over dp on the backend's device (a CPU float64 reduce fails on NCCL)."""
         total, n = torch.zeros((), dtype=torch.float64), 0
         for b in range(val_loader.num_batches):
             micro = val_loader.batches(b)
             total += self.runtime.evaluate(micro)
             n += len(micro)
-        return comm.all_reduce(total / max(n, 1), self.mesh["dp"], "avg").item()
+        return total, n
 
     def write_trace(self, step: int) -> dict | None:
         """Gather the last step's per-action times over the pp group; the first rank writes

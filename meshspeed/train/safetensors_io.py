@@ -1,118 +1,82 @@
-"""The safetensors file format, written and read without the `safetensors` package.
+"""safetensors files through the `safetensors` package, the format's reference implementation
+(memory-mapped reads, every dtype, the exact header layout other tools expect).
 
-Layout (https://huggingface.co/docs/safetensors): an 8-byte little-endian unsigned header size
-N, then N bytes of UTF-8 JSON `{name: {"dtype": "F32", "shape": [...], "data_offsets": [b, e]},
-"__metadata__": {str: str}}`, then the data: every tensor's bytes, little-endian, C order, at
-offsets relative to the end of the header. The header is padded with spaces so data starts
-8-byte aligned (what the reference writer does; readers may rely on it for zero-copy loads).
+These few functions are what meshspeed's callers use (export, checkpoints, the Hugging Face
+import/export); meshspeed no longer carries its own reader and writer. The package is optional
+for training itself, so it is imported where needed and its absence is one line saying how to
+install it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import struct
-import sys
 
 import torch
 
-DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
-                     ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        DTYPES[getattr(torch, _name)] = _code
-CODES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024  # the reference reader's limit: a larger one is a corrupt file
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's bytes in C order. ctypes, not numpy: torch does not require numpy."""
-    t = t.detach().to("cpu").contiguous()
-    n = t.numel() * t.element_size()
-    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships on is little-endian
-        raise RuntimeError("safetensors writing needs a little-endian host")
-    return ctypes.string_at(t.data_ptr(), n) if n else b""
+def _package():
+    try:
+        import safetensors.torch
+        from safetensors import safe_open
+    except ImportError:
+        raise ImportError(
+            "reading or writing safetensors needs the `safetensors` package: "
+            "pip install safetensors (or pip install -e '.[dev]')"
+        ) from None
+    return safetensors.torch, safe_open
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
-                      *, use_package: bool = True) -> None:
-    """Write `tensors` to `path` (atomically: a temporary file renamed into place), with the
-    `safetensors` package when it is installed and `use_package`, else with the writer below."""
+def open_safetensors(path: str):
+    """A `safe_open` handle (a context manager) on `path`: tensors and slices read on demand."""
+    return _package()[1](path, framework="pt")
+
+
+def write_safetensors(
+    path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, **_ignored
+) -> None:
+    """Write `tensors` to `path` atomically (a temporary file renamed into place, fsynced).
+
+    Extra keywords (the former `use_package=`) are accepted and ignored: the package always writes.
+    """
+    st, _ = _package()
     tmp = f"{path}.tmp-{os.getpid()}"
-    if use_package:
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            pass
-        else:
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp,
-                      metadata={str(k): str(v) for k, v in (metadata or {}).items()} or None)
-            os.replace(tmp, path)
-            return
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for name, t in tensors.items():
-        if t.dtype not in DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code; valid: "
-                             f"{', '.join(str(d) for d in DTYPES)}")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            f.write(_raw_bytes(t))
-        f.flush()
+    out, seen = {}, set()
+    for k, v in tensors.items():
+        v = v.detach().to("cpu").contiguous()
+        storage = v.untyped_storage()
+        # The package refuses tensors sharing a storage (tied weights, experts unbound from one
+        # stacked tensor): copy views and repeats.
+        if storage.data_ptr() in seen or storage.nbytes() != v.numel() * v.element_size():
+            v = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
+        out[k] = v
+    st.save_file(out, tmp, metadata={str(k): str(v) for k, v in (metadata or {}).items()} or None)
+    with open(tmp, "rb") as f:  # durable before it is renamed into place
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def _read_header(f, path: str) -> dict:
-    head = f.read(8)
-    if len(head) != 8:
-        raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header size)")
-    (n,) = struct.unpack("<Q", head)
-    if n > _MAX_HEADER:
-        raise ValueError(f"{path}: not a safetensors file (header size {n} bytes is implausible)")
-    return json.loads(f.read(n))
-
-
 def read_safetensors_header(path: str) -> dict:
-    """{name: {"dtype", "shape", "data_offsets"}} of a safetensors file, without its data."""
+    """{name: {"dtype", "shape", "data_offsets"}} of a safetensors file, without its data (the
+    header is plain JSON after an 8-byte length: reading it needs no tensor library)."""
     with open(path, "rb") as f:
-        header = _read_header(f, path)
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header size)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER:
+            raise ValueError(f"{path}: not a safetensors file (header size {n} bytes is implausible)")
+        header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return header
 
 
 def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) from a safetensors file; tensors are CPU copies in file order."""
-    with open(path, "rb") as f:
-        header = _read_header(f, path)
-        data = f.read()
-    metadata = header.pop("__metadata__", {}) or {}
-    out = {}
-    for name, info in header.items():
-        if info["dtype"] not in CODES:
-            raise ValueError(f"{path}: {name} has dtype {info['dtype']}, which this reader does not know")
-        dtype, shape = CODES[info["dtype"]], info["shape"]
-        b, e = info["data_offsets"]
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if e - b != size or e > len(data):
-            raise ValueError(f"{path}: {name} data_offsets {[b, e]} do not fit shape {shape} {info['dtype']} "
-                             f"in a {len(data)}-byte data section")
-        if size == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-        else:
-            out[name] = torch.frombuffer(bytearray(data[b:e]), dtype=dtype).reshape(shape)
-    return out, metadata
+    """(tensors, metadata) from a safetensors file, as CPU tensors."""
+    with open_safetensors(path) as f:
+        metadata = f.metadata() or {}
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(metadata)

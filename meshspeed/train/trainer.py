@@ -9,37 +9,44 @@ float32 run's losses match across layouts and a resumed run matches an uninterru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
+import sys
 import time
 
 import torch
 
 from meshspeed import comm
 from meshspeed.comm import ConfigError, ParallelDims
-from meshspeed.models import get_preset, recipe_for
+from meshspeed.models import recipe_for
+from meshspeed.models.hf import check_exportable
 from meshspeed.parallel.optim import build_data_parallel
 from meshspeed.parallel.optim import clip_grad_norm_, grad_norm
 from meshspeed.parallel.materialize import build_parallel_model
 from meshspeed.parallel.tensor import model_loss
+from meshspeed.comm.errors import echo
+from meshspeed.sparse.cuda import invalidate_compressed
 from meshspeed.train import checkpoint as ckpt
+from meshspeed.train.ckpt_dirs import CheckpointError, newest_verified
 from meshspeed.train import config as config_mod
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
 from meshspeed.train.export import export_safetensors
+from meshspeed.train.hf_export import export_hf, source_hf_config
+from meshspeed.train.hf_io import init_from
+from meshspeed.train.model_source import preset_config
 from meshspeed.train.metrics import MetricsLogger, lr_at
 from meshspeed.train.pipeline import TrainerPipeline
 from meshspeed.train.sparsity import build_sparsity
+from meshspeed.train.tokenizer import check_vocab, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def from_dict(d: dict) -> config_mod.Config:
-    cfg = config_mod.Config()
-    for section, values in d.items():
-        if isinstance(values, dict):
-            setattr(cfg, section, type(getattr(cfg, section))(**values))
-        else:
-            setattr(cfg, section, values)
-    return cfg
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm; the run stopped."""
+
+    one_line = True
 
 
 class Trainer:
@@ -49,12 +56,17 @@ class Trainer:
         dp, self.accum = config_mod.resolve_layout(cfg, ctx.world_size)
         self.mesh = ParallelDims(dp=dp, pp=p.pp, tp=p.tp).build(ctx)
         self.lead = ctx.rank == 0
-        overrides = cfg.model.overrides()
-        base = get_preset(cfg.model.preset, **overrides)
-        if t.seq_len > base.max_seq_len:
-            base = get_preset(cfg.model.preset, **overrides, max_seq_len=t.seq_len)
-        self.model_config = base
-        self.recipe = recipe_for(base)
+        # model.init_from: a Hugging Face dir (the recipe's init reads this rank's slices) or a checkpoint
+        init_weights = None
+        if cfg.model.init_from:
+            self.model_config, self.recipe, init_weights = init_from(cfg)
+        else:
+            self.model_config = preset_config(cfg.model.preset, cfg.model.overrides(), t.seq_len)
+            self.recipe = recipe_for(self.model_config)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        check_vocab(self.tokenizer, self.model_config.vocab_size)
+        if cfg.checkpoint.export_hf:  # refused now, not after training
+            check_exportable(self.model_config, "checkpoint.export_hf=true: ")
         torch.manual_seed(t.seed)
         # Born sharded: built on the meta device, each rank materialises only its pieces.
         # pp > 1: this rank's stage model (other stages' layers deleted, FQNs kept) + the schedule's runtime
@@ -64,12 +76,15 @@ class Trainer:
         else:
             self.model = build_parallel_model(self.recipe, self.mesh, seed=t.seed, device=ctx.device,
                                               sequence_parallel=p.sequence_parallel)
+        if init_weights:  # before the optimizer copies the weights into its masters
+            ckpt.load_checkpoint(init_weights, self.model, None, self.mesh, strict=False, restore_rng=False)
         self.dp, self.opt = build_data_parallel(
             self.model, self.mesh, zero=p.zero, bucket_mb=p.bucket_mb, dtype=DTYPES[t.dtype], lr=t.lr,
             weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
         # masks on the parallel model's weights (same Parameters); None when sparsity.pattern=none
         self.sparsity = build_sparsity(cfg.sparsity, self.model, self.opt, self.mesh, total_steps=t.steps, seed=t.seed)
-        train_tokens, val_tokens = load_tokens(cfg.data.path, cfg.data.format, max_mb=cfg.data.max_mb)
+        train_tokens, val_tokens = load_tokens(cfg.data.path, cfg.data.format, max_mb=cfg.data.max_mb,
+                                               tokenizer=self.tokenizer)
         coords = self.mesh.coords
         self.loader = GlobalBatchLoader(train_tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
                                         dp_rank=coords["dp"], dp_size=dp, seed=t.seed)
@@ -82,18 +97,44 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------
     def _resume(self, which: str) -> int:
-        path = ckpt.latest_checkpoint(self.cfg.run.dir) if which == "latest" else which
-        if path is None:
-            raise ConfigError(f"checkpoint.resume=latest but {self.cfg.run.dir} holds no complete checkpoint; "
-                              f"drop --checkpoint.resume or point --run.dir at the earlier run")
-        state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh)
+        """Load the checkpoint `which` names ('latest', 'auto' or a path) and return its step.
+        Every file is verified against its manifest first; 'latest' and 'auto' fall back to the
+        newest checkpoint that verifies, saying so in one line per one they skip."""
+        run_dir, quiet = self.cfg.run.dir, not self.lead
+        if which in ("latest", "auto"):
+            path, skipped = newest_verified(run_dir, self.mesh)
+            if self.lead:
+                for bad, why in skipped:
+                    instead = f"resuming from {path} instead" if path else "no earlier checkpoint verifies"
+                    print(f"meshspeed: checkpoint {bad} does not verify ({why}); {instead}",
+                          file=sys.stderr, flush=True)
+            if path is None and skipped:
+                raise echo(CheckpointError(
+                    f"checkpoint.resume={which}: none of the {len(skipped)} checkpoints in {run_dir} verifies "
+                    f"(newest: {skipped[0][0]}: {skipped[0][1]}); restore one from a copy, or start over "
+                    f"with --run.overwrite true"), quiet)
+            if path is None and which == "auto":
+                if self.lead:
+                    print(f"meshspeed: checkpoint.resume=auto: no checkpoint in {run_dir}, starting at step 0",
+                          flush=True)
+                return 0
+            if path is None:
+                raise echo(ConfigError(f"checkpoint.resume=latest but {run_dir} holds no complete "
+                                       f"checkpoint; drop --checkpoint.resume or point --run.dir at the "
+                                       f"earlier run"), quiet)
+            state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=False)  # just verified
+        else:
+            state = ckpt.load_checkpoint(which, self.model, self.opt, self.mesh)
         if self.sparsity is not None:
             self.sparsity.load_state_dict((state["extra"] or {}).get("sparsity"))
+        if self.lead:
+            print(f"meshspeed: resumed from step {state['step']} ({state['path']})", flush=True)
         return int(state["step"])
 
     def _save(self, step: int) -> str:
         return ckpt.save_checkpoint(self.cfg.run.dir, step, self.model, self.opt, self.mesh,
                                     extra={"config": self.cfg.to_dict(),
+                                           "model_config": dataclasses.asdict(self.model_config),
                                            **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {})},
                                     keep=self.cfg.checkpoint.keep)
 
@@ -102,13 +143,28 @@ class Trainer:
         loss = model_loss(self.model, x, y, aux=False, plain=self.recipe.loss)  # the cross-entropy: what metrics report
         return loss, self.model.aux_loss()
 
+    @property
+    def loss_dtype(self) -> torch.dtype:
+        """Losses are summed and reduced in the compute dtype promoted to float32, on the
+        backend's device: NCCL cannot reduce a CPU tensor, and some backends lack float64."""
+        return torch.promote_types(DTYPES[self.cfg.train.dtype], torch.float32)
+
+    def _mean_over_dp(self, total: torch.Tensor, n: int) -> float:
+        """The mean over data-parallel ranks of total / n (tp and pp ranks hold the same value)."""
+        t = (total.to(device=self.ctx.device, dtype=self.loss_dtype) / max(n, 1)).reshape(1)
+        return comm.all_reduce(t, self.mesh["dp"], "avg").item()
+
     def train_step(self, step: int) -> dict:
+        """One optimizer step; a step whose loss or gradient norm is not finite changes
+        nothing (the row says "skipped"). Every rank takes the same decision: the gradient
+        norm is reduced over the world, and the loss is equal on the ranks of one data-parallel
+        replica (tp reduces it, pp broadcasts it) and then averaged over dp."""
         t = self.cfg.train
         lr = lr_at(step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
         self.opt.set_lr(lr)
         t0 = time.perf_counter()
         micro = list(self.loader.batches(step))
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=self.loss_dtype, device=self.ctx.device)
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             total = self.pipeline.train_step(micro, self.dp, step)
         else:
@@ -118,43 +174,76 @@ class Trainer:
                     loss, aux = self._loss(x, y)
                     # The global-batch loss is the mean of the micro-batch means; DP averages ranks.
                     ((loss + aux) / len(micro)).backward()
-                total += loss.detach().double().cpu()
+                total += loss.detach().to(self.loss_dtype)
         self.dp.finish_grad_sync()
+        mean_loss = self._mean_over_dp(total, len(micro))
         norm = clip_grad_norm_(self.dp, t.grad_clip, self.mesh) if t.grad_clip > 0 else grad_norm(self.dp, self.mesh)
-        self.opt.step()
-        # mask updates read this step's reduced (STE) gradients: after step(), before zero_grad()
-        sparse = self.sparsity.after_step(step) if self.sparsity is not None else {}
+        norm = float(norm)
+        finite = math.isfinite(mean_loss) and math.isfinite(norm)
+        sparse = {}
+        if finite:
+            self.opt.step()
+            # DP writes weights through bucket views, which leave weight._version alone: the 2:4
+            # compressed weights would go stale without this.
+            invalidate_compressed(self.model)
+            # mask updates read this step's reduced (STE) gradients: after step(), before zero_grad()
+            sparse = self.sparsity.after_step(step) if self.sparsity is not None else {}
         self.opt.zero_grad()
-        mean_loss = comm.all_reduce(total / len(micro), self.mesh["dp"], "avg").item()
         elapsed = time.perf_counter() - t0
-        return {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(norm),
-                "tokens_per_s": t.global_batch_size * t.seq_len / elapsed, **sparse}
+        row = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": norm,
+               "tokens_per_s": t.global_batch_size * t.seq_len / elapsed, **sparse}
+        if not finite:
+            row["skipped"] = True
+        return row
 
     @torch.no_grad()
     def validate(self) -> float:
         if self.pipeline is not None:
-            return self.pipeline.validate(self.val_loader)
-        total, n = torch.zeros((), dtype=torch.float64), 0
+            total, n = self.pipeline.validate(self.val_loader)
+            return self._mean_over_dp(total, n)
+        total, n = torch.zeros((), dtype=self.loss_dtype, device=self.ctx.device), 0
         for b in range(self.val_loader.num_batches):
             for x, y in self.val_loader.batches(b):
                 loss, _ = self._loss(x, y)
-                total += loss.double().cpu()
+                total += loss.to(self.loss_dtype)
                 n += 1
-        return comm.all_reduce(total / max(n, 1), self.mesh["dp"], "avg").item()
+        return self._mean_over_dp(total, n)
+
+    def _check_bad(self, row: dict, bad_in_row: int) -> None:
+        """Log a skipped step; stop the run (on every rank alike) after too many in a row."""
+        t, step = self.cfg.train, row["step"]
+        loss, norm = row["loss"], row["grad_norm"]
+        if self.lead:
+            print(f"meshspeed: step {step}: loss {loss:.4g}, grad norm {norm:.4g}: not finite, update "
+                  f"skipped ({bad_in_row} in a row of train.max_bad_steps={t.max_bad_steps})",
+                  file=sys.stderr, flush=True)
+        if bad_in_row >= t.max_bad_steps:
+            raise echo(NonFiniteError(
+                f"step {step}: loss {loss:.4g}, grad norm {norm:.4g}: not finite for {bad_in_row} steps in a "
+                f"row (train.max_bad_steps={t.max_bad_steps}), run stopped without saving; lower --train.lr "
+                f"(now {t.lr:g}) or --train.grad_clip, then resume from the last checkpoint with "
+                f"--checkpoint.resume latest"), not self.lead)
 
     def run(self) -> dict:
         t, c = self.cfg.train, self.cfg.checkpoint
         row = None
         last_ckpt = None
         tokens_per_s = []
+        bad_in_row = skipped = 0
         for step in range(self.start_step, t.steps):
             row = self.train_step(step)
             done = step + 1
+            bad_in_row = bad_in_row + 1 if row.get("skipped") else 0
+            skipped += bool(row.get("skipped"))
+            if skipped:
+                row["skipped_steps"] = skipped  # counted for the whole run (this process)
             if (t.eval_interval and done % t.eval_interval == 0) or done == t.steps:
                 row["val_loss"] = self.validate()
             if step > self.start_step + 2:  # the first steps pay for warm-up, not steady state
                 tokens_per_s.append(row["tokens_per_s"])
             self.metrics.log(row)
+            if bad_in_row:
+                self._check_bad(row, bad_in_row)
             exiting = bool(t.exit_interval) and done % t.exit_interval == 0 and done < t.steps
             if (c.interval and done % c.interval == 0) or done == t.steps or exiting:
                 last_ckpt = self._save(done)
@@ -162,46 +251,16 @@ class Trainer:
                 break
         summary = {"final_loss": row["loss"] if row else None, "val_loss": row.get("val_loss") if row else None,
                    "tokens_per_s": sum(tokens_per_s) / len(tokens_per_s) if tokens_per_s else None,
-                   "metrics": self.metrics.path, "checkpoint": last_ckpt}
+                   "metrics": self.metrics.path, "checkpoint": last_ckpt, "skipped_steps": skipped}
         if c.export_safetensors:
             summary["safetensors"] = export_safetensors(self.model, self.mesh,
                                                              os.path.join(self.cfg.run.dir, "model.safetensors"))
+        if c.export_hf:
+            summary["hf"] = export_hf(self.model, self.mesh, os.path.join(self.cfg.run.dir, "hf"),
+                                      self.model_config,
+                                      tokenizer_files=getattr(self.tokenizer, "files", list)(),
+                                      hf_extra=source_hf_config(self.cfg.model.init_from))
         if self.lead:
             summary["plot"] = self.metrics.plot(os.path.join(self.cfg.run.dir, "loss.png"))
         self.metrics.close()
         return summary
-
-
-def _print_summary(cfg: config_mod.Config, trainer: Trainer, s: dict) -> None:
-    p = trainer.mesh.dims
-    print(f"\nmeshspeed train: {cfg.model.preset} ({sum(x.numel() for x in trainer.model.parameters()):,} local params) "
-          f"on {trainer.ctx.world_size} ranks: {f'pp {p.pp} × ' if p.pp > 1 else ''}dp {p.dp} × tp {p.tp}, zero {cfg.parallel.zero}, "
-          f"{cfg.train.dtype}")
-    if s["final_loss"] is not None:
-        val = f", val loss {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
-        print(f"  final train loss {s['final_loss']:.4f}{val}")
-    if s["tokens_per_s"]:
-        print(f"  {s['tokens_per_s']:,.0f} tokens/s (mean over steady-state steps)")
-    print(f"  metrics     {s['metrics']}")
-    if s.get("plot"):
-        print(f"  loss curve  {s['plot']}")
-    if s["checkpoint"]:
-        print(f"  checkpoint  {s['checkpoint']}")
-    if trainer.pipeline is not None and trainer.pipeline.trace_files:
-        print(f"  pp trace    {', '.join([trainer.pipeline.trace_files['json']] + trainer.pipeline.trace_files['png'])}")
-    if s.get("safetensors"):
-        print(f"  safetensors {s['safetensors']}")
-
-
-def worker(cfg_dict: dict) -> None:
-    """Runs on every rank (spawned by `meshspeed train` or under torchrun)."""
-    cfg = from_dict(cfg_dict)
-    ctx = comm.init()
-    try:
-        trainer = Trainer(cfg, ctx)
-        summary = trainer.run()
-        if trainer.lead:
-            _print_summary(cfg, trainer, summary)
-    finally:
-        ctx.close()
-

@@ -25,7 +25,8 @@ def test_full_sparse_path():
 @pytest.mark.parametrize(
     "kw,path,reason",
     [
-        (dict(device_type="cpu"), DENSE_MASKED, "no CUDA"),
+        (dict(device_type="cpu"), DENSE_MASKED, "weight on cpu: 2:4 kernels need CUDA"),
+        (dict(device_type="xpu"), DENSE_MASKED, "weight on xpu: 2:4 kernels need CUDA"),
         (dict(capability=(7, 5)), DENSE_MASKED, "below sm80"),
         (dict(dtype=torch.float32), DENSE_MASKED, "dtype float32 not bf16/fp16"),
         (dict(in_features=100), DENSE_MASKED, "in_features 100 not a multiple of 64"),
@@ -52,23 +53,47 @@ def test_min_tile_reads_torch_tables():
 
 
 def test_layer_and_report_name_their_path():
+    """Built on the CPU, the layers take the dense-masked path on every machine (the weight's
+    device decides, GPU present or not), and the report shows each layer's own path and reason."""
     model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8))
     sparsify(model, SparsityConfig(pattern="2:4"))
     model(torch.randn(2, 16))
-    if not torch.cuda.is_available():
-        assert model[0].path == DENSE_MASKED and model[0].path_reason == "no CUDA"
+    for layer in model:
+        assert layer.path == DENSE_MASKED and layer.path_reason == "weight on cpu: 2:4 kernels need CUDA"
     rows = report_rows(model)
     assert [r["name"] for r in rows] == ["0", "1"]
     assert all(abs(r["sparsity"] - 0.5) < 1e-9 for r in rows)
     table = report(model)
-    assert "no CUDA" in table or torch.cuda.is_available()
     assert table.splitlines()[0].split()[:3] == ["name", "shape", "pattern"]
+    assert table.count("weight on cpu: 2:4 kernels need CUDA") == 2, table
 
 
 needs_sm80 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
     reason="2:4 sparse kernels need a CUDA GPU with sm80+",
 )
+
+
+# bf16 keeps 8 significant bits: rounding a result to bf16 moves it by at most 2^-8 of itself.
+_BF16_U = 2.0**-8
+_FP32_U = 2.0**-24
+
+
+def _bf16_bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, extra: torch.Tensor | None = None):
+    """Elementwise bound on |bf16 result - fp32 reference| for ref = a @ b (+ extra) from bf16
+    inputs: at most two roundings to bf16 (the product, then the bias add) plus fp32
+    accumulation over k = a.shape[-1] terms (doubled for a kernel's summation order). A wrong
+    mask moves an output by a whole |w_ij x_j| term, ~1/sqrt(k) of it: far outside this bound."""
+    k = a.shape[-1]
+    mag = a.float().abs() @ b.float().abs()
+    size = ref.abs() + (extra.float().abs() if extra is not None else 0)
+    return 2 * _BF16_U * size + 2 * k * _FP32_U * mag + 1e-30
+
+
+def _assert_within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    err = (got.float() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"{what}: error up to {worst:.2f}x the bf16 bound derived from the shapes"
 
 
 @needs_sm80
@@ -80,15 +105,43 @@ def test_cuda_sparse_kernels_match_dense_masked(transposable):
 
     layer.set_mask(transposable_2to4_mask(layer.weight) if transposable else nm_mask(layer.weight, 2, 4))
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)  # the same upstream gradient for both
     y = layer(x)
     assert layer.path == (SPARSE if transposable else SPARSE_FWD), layer.path_reason
-    y.float().square().sum().backward()
-    wm = (layer.weight.detach() * layer.mask).requires_grad_()
-    xr = x.detach().clone().requires_grad_()
-    y_ref = nn.functional.linear(xr, wm, layer.bias.detach())
-    y_ref.float().square().sum().backward()
-    torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(x.grad, xr.grad, rtol=2e-2, atol=5e-2)
-    torch.testing.assert_close(layer.weight.grad, wm.grad, rtol=2e-2, atol=5e-2)
+    y.backward(g)
+    wm = (layer.weight.detach() * layer.mask).float()  # [out, in], what the forward must multiply by
+    xf, gf, b = x.detach().float(), g.float(), layer.bias.detach()
+    y_ref = xf @ wm.t() + b.float()
+    _assert_within(y, y_ref, _bf16_bound(x.detach(), wm.t(), y_ref, b), "forward")
+    gx_ref = gf @ wm
+    _assert_within(x.grad, gx_ref, _bf16_bound(g, wm, gx_ref), "input gradient")
+    gw_ref = gf.t() @ xf  # STE: the dense gradient, mask not applied
+    _assert_within(layer.weight.grad, gw_ref, _bf16_bound(g.t(), x.detach(), gw_ref), "weight gradient")
     layer(x)
     assert layer._compressed.rebuilds == 1  # same weight and mask: compression reused
+
+
+@needs_sm80
+def test_cuda_compressed_weight_follows_writes_through_a_bucket_view():
+    """What data parallelism does: the weight's storage is a view of a flat bucket, updated in
+    place through the bucket (weight._version does not move); invalidate_compressed after the
+    step makes the next forward use the new weights."""
+    from meshspeed.sparse.cuda import invalidate_compressed
+
+    torch.manual_seed(0)
+    layer = SparseLinear(256, 128, nm=(2, 4), transposable=True, device="cuda", dtype=torch.bfloat16)
+    flat = torch.zeros(layer.weight.numel(), device="cuda", dtype=torch.bfloat16)
+    flat.copy_(layer.weight.detach().reshape(-1))
+    layer.weight.data = flat.view_as(layer.weight)
+    from meshspeed.sparse import transposable_2to4_mask
+
+    layer.set_mask(transposable_2to4_mask(layer.weight))
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(x)
+        flat.mul_(-1.0)  # an "optimizer step" through the bucket
+        assert invalidate_compressed(layer) == 1
+        y = layer(x)
+    wm = (layer.weight.detach() * layer.mask).float()
+    y_ref = x.float() @ wm.t() + layer.bias.detach().float()
+    _assert_within(y, y_ref, _bf16_bound(x, wm.t(), y_ref, layer.bias.detach()), "forward after the step")

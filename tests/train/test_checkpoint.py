@@ -366,12 +366,13 @@ def test_export_pipeline_stages_with_index(tmp_path):
     assert got.keys() == full.keys() and all(torch.equal(got[n], full[n]) for n in full)
 
 
-def test_safetensors_writer_follows_the_format(tmp_path):
+def test_safetensors_files_follow_the_format(tmp_path):
+    """Written by the `safetensors` package; checked here against the format's definition."""
     tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(2, 5).bfloat16(), "f16": torch.randn(7).half(),
                "i64": torch.arange(6).reshape(2, 3), "u8": torch.arange(5, dtype=torch.uint8),
                "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
     path = str(tmp_path / "t.safetensors")
-    write_safetensors(path, tensors, {"k": "v"}, use_package=False)
+    write_safetensors(path, tensors, {"k": "v"})
     raw = open(path, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
@@ -386,12 +387,9 @@ def test_safetensors_writer_follows_the_format(tmp_path):
         assert data[b:e] == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b == e
     assert max(v["data_offsets"][1] for v in header.values()) == len(data)
     back, meta = read_safetensors(path)
-    assert meta == {"k": "v"} and list(back) == list(tensors)
+    assert meta == {"k": "v"} and sorted(back) == sorted(tensors)  # the package orders by dtype, then name
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
-    st = pytest.importorskip("safetensors.torch", reason="cross-check needs the safetensors package")
-    theirs = st.load_file(path)
-    assert all(torch.equal(theirs[k], t) for k, t in tensors.items())
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """The data pipeline: tokenizer, corpora (built-in, text, token files), cache, layout-independent loader."""
 
 import os
-import time
 from array import array
 
 import pytest
@@ -70,10 +69,10 @@ def test_stdlib_corpus_cache_reused_not_rebuilt(stdlib, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("the corpus was re-encoded instead of read from the cache")
 
+    # Reuse is shown by what happened (no re-encoding, the file untouched), not by how long it
+    # took: speed belongs in benchmarks/, and a loaded machine would fail a time limit.
     monkeypatch.setattr(corpus_mod, "_encode", no_rebuild)
-    t0 = time.perf_counter()
     hit = load_corpus("", max_mb=CAP_MB, cache_dir=os.path.dirname(path))
-    assert time.perf_counter() - t0 < 2.0
     assert hit.cache_path == path and os.stat(path).st_mtime_ns == mtime
     assert torch.equal(hit.train, stdlib.train)
     # a different cap is a different cache entry (and a prefix of the same file list)

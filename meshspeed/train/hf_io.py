@@ -1,0 +1,238 @@
+"""Hugging Face model directories in: config.json + safetensors shards as a born-sharded init source.
+
+A model is built the usual way (meta device -> split -> materialise, parallel/materialize.py);
+only the recipe's `init` changes. Instead of drawing a parameter's full value it returns a
+`LazyParam`: a tensor-shaped handle on that parameter in the Hugging Face files, which
+materialize narrows to this rank's piece exactly as it narrows a real tensor, and which reads
+just that window (safetensors' memory-mapped `get_slice`) when it is finally converted with
+`.to()`. So under tp, pp or ep each rank reads only its own slices and never holds a full
+weight; one process with no split reads everything once (`meshspeed convert --from-hf`).
+The name and layout mapping (rotary permutation, stacked experts) is models/hf.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+from meshspeed.comm.errors import ConfigError
+from meshspeed.comm.recipe import Recipe
+from meshspeed.models import ModelConfig, recipe_for
+from meshspeed.models.hf import HFTensor, config_from_hf, hf_tensors, interleaved_rows
+from meshspeed.models.init import canonical_name
+from meshspeed.train.model_source import checkpoint_model_config
+from meshspeed.train.safetensors_io import open_safetensors, read_safetensors_header
+
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+class HFCheckpoint:
+    """A Hugging Face model directory opened for reading: its config.json (as a ModelConfig too)
+    and, per tensor name, the safetensors file holding it."""
+
+    def __init__(self, path: str, setting: str = "--from-hf"):
+        self.path = path
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ConfigError(
+                f"{setting}={path!r} has no config.json; give a Hugging Face model directory "
+                f"(config.json + model.safetensors or {INDEX})"
+            )
+        with open(cfg_file) as f:
+            self.hf_config = json.load(f)
+        self.config = config_from_hf(self.hf_config)
+        self.files = self._weight_map(setting)
+        self.sources = hf_tensors(self.config)
+        self._check(setting)
+
+    def _weight_map(self, setting: str) -> dict[str, str]:
+        index, single = os.path.join(self.path, INDEX), os.path.join(self.path, SINGLE)
+        if os.path.isfile(single):  # transformers' order: the single file wins over an index
+            return {k: single for k in read_safetensors_header(single)}
+        if os.path.isfile(index):
+            with open(index) as f:
+                return {k: os.path.join(self.path, v) for k, v in json.load(f)["weight_map"].items()}
+        bins = [n for n in os.listdir(self.path) if n.endswith(".bin") or n.endswith(".pt")]
+        hint = (
+            f" (it holds {bins[0]}: re-save it with save_pretrained(safe_serialization=True))" if bins else ""
+        )
+        raise ConfigError(f"{setting}={self.path!r} has neither {SINGLE} nor {INDEX}{hint}")
+
+    def _check(self, setting: str) -> None:
+        wanted = {n for s in self.sources.values() for n in s.names}
+        missing = sorted(wanted - set(self.files))
+        if missing:
+            raise ConfigError(
+                f"{setting}={self.path!r} lacks {missing[0]} ({len(missing)} tensors missing) that "
+                f"its config.json implies; is the checkpoint complete?"
+            )
+        # Old checkpoints carry RoPE tables as buffers; a tied lm_head may be written anyway.
+        extra = sorted(
+            n
+            for n in set(self.files) - wanted
+            if not n.endswith("rotary_emb.inv_freq")
+            and not (n == "lm_head.weight" and self.config.tie_embeddings)
+        )
+        if extra:
+            raise ConfigError(
+                f"{setting}={self.path!r} holds {extra[0]} ({len(extra)} tensors) that meshspeed's "
+                f"{self.config.family} model has no place for; is config.json for these weights?"
+            )
+
+    def _open(self, name: str):
+        # Opened per use, not kept: the recipe (and so this object) lives as long as training,
+        # and a kept handle would keep every shard memory-mapped. A header parse costs little.
+        return open_safetensors(self.files[name])
+
+    def shape(self, name: str) -> list[int]:
+        with self._open(name) as f:
+            return list(f.get_slice(name).get_shape())
+
+    def read(self, name: str, window: list[tuple[int, int]]) -> torch.Tensor:
+        """Tensor `name` restricted to [start, stop) per leading dim; only that is read."""
+        with self._open(name) as f:
+            return f.get_slice(name)[tuple(slice(a, b) for a, b in window)]
+
+
+class LazyParam:
+    """The full value of one meshspeed parameter, as a handle: `shape`, `dim()` and `narrow()`
+    (what materialize uses to cut a rank's piece) cost nothing; `.to()` reads the window left
+    after narrowing from the files, applies the layout change, and returns a real tensor."""
+
+    def __init__(
+        self,
+        ckpt: HFCheckpoint,
+        fqn: str,
+        source: HFTensor,
+        full: torch.Size,
+        window: list[tuple[int, int]] | None = None,
+    ):
+        self.ckpt, self.fqn, self.source, self.full = ckpt, fqn, source, full
+        self.window = window if window is not None else [(0, n) for n in full]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(b - a for a, b in self.window)
+
+    def dim(self) -> int:
+        return len(self.full)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyParam:
+        dim %= self.dim()
+        a, b = self.window[dim]
+        if start < 0 or length < 0 or a + start + length > b:
+            raise IndexError(f"{self.fqn}: narrow({dim}, {start}, {length}) is outside {list(self.shape)}")
+        window = list(self.window)
+        window[dim] = (a + start, a + start + length)
+        return LazyParam(self.ckpt, self.fqn, self.source, self.full, window)
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        return self.read().to(*args, **kwargs)
+
+    def read(self) -> torch.Tensor:
+        if self.source.stacked:  # experts: dim 0 picks HF tensors, the rest is a window in each
+            (a, b), rest = self.window[0], self.window[1:]
+            parts = [self._one(self.source.names[e], rest) for e in range(a, b)]
+            return torch.stack(parts) if parts else torch.empty(self.shape)
+        return _own(self._one(self.source.names[0], self.window))
+
+    def _one(self, name: str, window: list[tuple[int, int]]) -> torch.Tensor:
+        if not self.source.head_dim:
+            return self.ckpt.read(name, window)
+        # Rotary rows: meshspeed rows [a, b) come from HF rows perm[a:b], all inside the heads
+        # covering [a, b) (the permutation stays within each head): read that span, then pick.
+        (a, b), rest = window[0], window[1:]
+        rows = interleaved_rows(self.full[0], self.source.head_dim)[a:b]
+        if rows.numel() == 0:
+            return self.ckpt.read(name, [(0, 0)] + rest)
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        return self.ckpt.read(name, [(lo, hi)] + rest)[rows - lo]
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` in memory of its own. safetensors' slices are views into a memory-mapped copy of the
+    whole tensor (only the touched pages are read); a parameter must not keep that mapping alive
+    (nor let a save see the whole storage)."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class HFInit:
+    """A recipe `init` reading from a Hugging Face checkpoint (the seed is not used)."""
+
+    def __init__(self, ckpt: HFCheckpoint):
+        self.ckpt = ckpt
+
+    def __call__(self, fqn: str, shape: torch.Size, seed: int) -> LazyParam:
+        name = canonical_name(fqn, self.ckpt.config)
+        source = self.ckpt.sources.get(name)
+        if source is None:
+            raise ConfigError(f"parameter {fqn} has no Hugging Face counterpart in {self.ckpt.path}")
+        want, have = list(shape[1:] if source.stacked else shape), self.ckpt.shape(source.names[0])
+        if have != want:
+            raise ConfigError(
+                f"{source.names[0]} in {self.ckpt.path} has shape {have} but its config.json "
+                f"implies {want} (meshspeed's {fqn})"
+            )
+        return LazyParam(self.ckpt, fqn, source, torch.Size(shape))
+
+
+def hf_recipe(ckpt: HFCheckpoint, config: ModelConfig | None = None) -> Recipe:
+    """The family's recipe for the checkpoint's model, its init reading from the files."""
+    return dataclasses.replace(recipe_for(config or ckpt.config), init=HFInit(ckpt))
+
+
+def init_from(cfg, setting: str = "model.init_from") -> tuple[ModelConfig, Recipe, str | None]:
+    """What the trainer builds for `model.init_from`: (model config, recipe, meshspeed checkpoint
+    to load weights from after building, or None when the recipe's init reads them itself).
+
+    A Hugging Face directory: the config comes from its config.json and each rank's init reads
+    its slices. A meshspeed checkpoint (e.g. from `meshspeed convert --from-hf`): the config it
+    recorded, weights loaded (resharded) once the model is built."""
+    path = cfg.model.init_from
+    if sizes := cfg.model.overrides():
+        k, v = next(iter(sizes.items()))
+        raise ConfigError(f"model.{k}={v} cannot change a model loaded with {setting}={path!r}; drop it")
+    if is_hf_dir(path):
+        ckpt = HFCheckpoint(path, setting)
+        config, recipe, weights = ckpt.config, hf_recipe(ckpt), None
+    else:
+        weights = path
+        config = checkpoint_model_config(path, setting)
+        recipe = recipe_for(config)
+    if cfg.train.seq_len > config.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} exceeds the {setting} model's longest sequence "
+            f"{config.max_seq_len} (max_position_embeddings or sliding_window); use ≤ {config.max_seq_len}"
+        )
+    return config, recipe, weights
+
+
+def convert_from_hf(path: str, out: str, dtype: torch.dtype = torch.float32) -> str:
+    """`meshspeed convert --from-hf`: read a Hugging Face directory in one process (through the
+    same init source as training) and save it as meshspeed checkpoint `out/step-000000`, with
+    the model config and the original config.json recorded. Returns the checkpoint's path."""
+    from meshspeed import comm
+    from meshspeed.parallel.materialize import build_parallel_model
+    from meshspeed.train.checkpoint import save_checkpoint
+
+    ckpt = HFCheckpoint(path)
+    ctx = comm.init()
+    try:
+        mesh = comm.ParallelDims().build(ctx)
+        model = build_parallel_model(hf_recipe(ckpt), mesh, dtype=dtype)
+        extra = {"model_config": dataclasses.asdict(ckpt.config), "hf_config": json.dumps(ckpt.hf_config)}
+        return save_checkpoint(out, 0, model, None, mesh, extra=extra, keep=None)
+    finally:
+        ctx.close()

@@ -1,0 +1,108 @@
+"""One training run as a job: the run directory's policy, the per-rank entry point, the summary.
+
+Split from trainer.py (which is the loop itself): what happens around the loop when the CLI
+runs it, on a laptop (meshspeed's launcher) or under torchrun.
+
+- A new run never mixes its outputs with an earlier run's: a run.dir holding checkpoints or
+  metrics needs `--checkpoint.resume` (latest / auto / a path) or `--run.overwrite true`.
+- After a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) the run dir holds the progress of
+  the attempt that died, and `run.overwrite` resumes it instead of deleting it.
+- A rank that fails exits at once with a one-line report (comm.launch.run_worker), without
+  waiting for its peers in a barrier; only a rank that succeeded closes the job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from meshspeed import comm
+from meshspeed.comm.errors import echo
+from meshspeed.train import config as config_mod
+from meshspeed.train.ckpt_dirs import check_fresh, clear_run_dir
+
+
+def from_dict(d: dict) -> config_mod.Config:
+    cfg = config_mod.Config()
+    for section, values in d.items():
+        if isinstance(values, dict):
+            setattr(cfg, section, type(getattr(cfg, section))(**values))
+        else:
+            setattr(cfg, section, values)
+    return cfg
+
+
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted the workers (0 on the first attempt)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def prepare_run_dir(cfg: config_mod.Config, *, lead: bool) -> None:
+    """Apply the run-directory policy before any worker joins the job (so no rank can have
+    written anything yet): refuse an occupied run.dir, or clear it for `run.overwrite` (only
+    the `lead` process deletes). After a torchrun restart, overwrite means resume (auto)."""
+    run, ck = cfg.run, cfg.checkpoint
+    if run.overwrite and restart_count() > 0:
+        run.overwrite, ck.resume = False, "auto"  # never delete the progress a restart resumes
+        if lead:
+            print(f"meshspeed: torchrun restart {restart_count()}: resuming in {run.dir} instead of "
+                  f"overwriting it", file=sys.stderr, flush=True)
+    if ck.resume:
+        return
+    if run.overwrite:
+        if lead:
+            removed = clear_run_dir(run.dir)
+            if removed:
+                print(f"meshspeed: run.overwrite=true: deleted {len(removed)} earlier output(s) in {run.dir}",
+                      file=sys.stderr, flush=True)
+        return
+    check_fresh(run.dir)
+
+
+def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
+    p = trainer.mesh.dims
+    n = sum(x.numel() for x in trainer.model.parameters())
+    pp = f"pp {p.pp} × " if p.pp > 1 else ""
+    print(f"\nmeshspeed train: {cfg.model.preset} ({n:,} local params) on {trainer.ctx.world_size} ranks: "
+          f"{pp}dp {p.dp} × tp {p.tp}, zero {cfg.parallel.zero}, {cfg.train.dtype}")
+    if s["final_loss"] is not None:
+        val = f", val loss {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
+        print(f"  final train loss {s['final_loss']:.4f}{val}")
+    if s.get("skipped_steps"):
+        print(f"  skipped     {s['skipped_steps']} step(s) with a non-finite loss or gradient norm")
+    if s["tokens_per_s"]:
+        print(f"  {s['tokens_per_s']:,.0f} tokens/s (mean over steady-state steps)")
+    print(f"  metrics     {s['metrics']}")
+    if s.get("plot"):
+        print(f"  loss curve  {s['plot']}")
+    if s["checkpoint"]:
+        print(f"  checkpoint  {s['checkpoint']}")
+    if trainer.pipeline is not None and trainer.pipeline.trace_files:
+        files = trainer.pipeline.trace_files
+        print(f"  pp trace    {', '.join([files['json']] + files['png'])}")
+    if s.get("safetensors"):
+        print(f"  safetensors {s['safetensors']}")
+    if s.get("hf"):
+        print(f"  hugging face {s['hf']}")
+
+
+def worker(cfg_dict: dict, prepared: bool = False) -> None:
+    """Runs on every rank (spawned by `meshspeed train` or under torchrun). `prepared`: the
+    launcher already applied the run-directory policy."""
+    from meshspeed.train.trainer import Trainer
+
+    cfg = from_dict(cfg_dict)
+    if not prepared:  # under torchrun: every rank checks, rank 0 clears; nobody has joined yet
+        try:
+            prepare_run_dir(cfg, lead=os.environ.get("RANK", "0") == "0")
+        except comm.ConfigError as err:
+            raise echo(err, os.environ.get("RANK", "0") != "0")  # the same on every rank
+    ctx = comm.init(timeout_s=cfg.run.timeout or None)
+    trainer = Trainer(cfg, ctx)
+    summary = trainer.run()
+    if trainer.lead:
+        print_summary(cfg, trainer, summary)
+    ctx.close()

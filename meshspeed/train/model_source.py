@@ -1,0 +1,56 @@
+"""Where a run's model comes from, as a ModelConfig: a preset with overrides, or the config a
+meshspeed checkpoint recorded. Kept apart from the trainer, the pipeline checks, the Hugging
+Face import and the export, which all need it, so none of them imports another for it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from meshspeed.comm.errors import ConfigError
+from meshspeed.models import ModelConfig, get_preset
+from meshspeed.train.checkpoint import STATE
+from meshspeed.train.ckpt_dirs import CheckpointError, resolve
+
+SIZE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
+
+
+def preset_config(preset: str, overrides: dict, seq_len: int) -> ModelConfig:
+    """Preset + overrides, with max_seq_len raised to seq_len when it is longer."""
+    base = get_preset(preset, **overrides)
+    if seq_len > base.max_seq_len:
+        base = get_preset(preset, **overrides, max_seq_len=seq_len)
+    return base
+
+
+def checkpoint_state(path: str) -> tuple[str, dict]:
+    """(checkpoint directory, its state.pt) for a checkpoint or a run directory (its latest);
+    plain data only, as the checkpoint loader reads it."""
+    resolved = resolve(path)
+    return resolved, torch.load(os.path.join(resolved, STATE), map_location="cpu", weights_only=True)
+
+
+def checkpoint_model_config(path: str, setting: str = "--checkpoint") -> ModelConfig:
+    """The ModelConfig a meshspeed checkpoint was saved from: recorded by convert and by the
+    trainer, else derived from the training config it holds (preset + overrides)."""
+    try:
+        _, state = checkpoint_state(path)
+    except (CheckpointError, OSError) as e:
+        raise ConfigError(
+            f"{setting}={path!r} is neither a Hugging Face directory (config.json) nor a meshspeed "
+            f"checkpoint: {e}"
+        ) from None
+    extra = state.get("extra") or {}
+    if extra.get("model_config"):
+        return ModelConfig(**extra["model_config"])
+    run = extra.get("config") or {}
+    if run.get("model"):  # older checkpoints: the trainer's own derivation from its settings
+        model = run["model"]
+        overrides = {k: model[k] for k in SIZE_OVERRIDES if model.get(k)}
+        return preset_config(model["preset"], overrides, run["train"]["seq_len"])
+    raise ConfigError(
+        f"{setting}={path!r}: the checkpoint records no model config; it was not written by "
+        f"meshspeed train or meshspeed convert"
+    )
