@@ -16,7 +16,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _env() -> dict:
     env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MESHSPEED_ALGO"):
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "MESHSPEED_ALGO",
+    ):
         env.pop(k, None)
     env["MESHSPEED_LINK_PARAMS"] = "none"  # built-in cost model: the same algorithm choices everywhere
     return env
@@ -26,9 +34,30 @@ def _env() -> dict:
 def test_train_step_benchmark_runs(tmp_path):
     rows_file = tmp_path / "rows.json"
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--nproc", "2", "--steps", "2",
-         "--rounds", "1", "--warmup", "1", "--batch", "4", "--seq-len", "32", "--json", str(rows_file)],
-        capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "train_step.py"),
+            "--nproc",
+            "2",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--warmup",
+            "1",
+            "--batch",
+            "4",
+            "--seq-len",
+            "32",
+            "--json",
+            str(rows_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "peer/meshspeed" in out.stdout and "counted bytes per rank" in out.stdout, out.stdout
     assert "LOSS MISMATCH" not in out.stdout, out.stdout
@@ -36,3 +65,53 @@ def test_train_step_benchmark_runs(tmp_path):
     assert not data["loss_mismatch"]
     configs = {r["config"] for r in data["rows"] if "meshspeed_ms" in r}
     assert {"dp=2 zero=0", "dp=2 zero=2", "dp=1 tp=2", "dp=1 tp=2 sp"} <= configs
+
+
+def test_build_memory_benchmark_runs(tmp_path):
+    """benchmarks/build_memory.py end to end on a ~25 MB model (2 ranks, one job per mode): it
+    prints its table and writes its figures; the old path holds the whole fp32 model on every
+    rank and the born-sharded path peaks lower. Sizes chosen so the margins are MiBs while RSS
+    noise after the script's warm-up build is KiBs: FFN-heavy (3 x 64 x 16384 per block)."""
+    figures = tmp_path / "build_memory.json"
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "build_memory.py"),
+            "--dim",
+            "64",
+            "--layers",
+            "2",
+            "--vocab",
+            "256",
+            "--ffn",
+            "16384",
+            "--tp",
+            "2",
+            "--json",
+            str(figures),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "peak bytes" in out.stdout and "before / after peak growth" in out.stdout, out.stdout
+    data = json.load(open(figures))
+    model = data["model"]
+    full = model["full_bytes"]
+    assert full == 4 * model["param_count"] > 20 * 2**20
+    assert model["largest"]["bytes"] == 4 * 64 * 16384
+    rows = {(r["mode"], r["rank"]): r for r in data["rows"]}
+    assert set(rows) == {(m, r) for m in ("before", "after") for r in (0, 1)}
+    for r in rows.values():
+        assert r["peak_growth"] > 0 and r["own_param_bytes"] > 0, r
+        assert r["param_storage_bytes"] >= r["own_param_bytes"], r
+    for rank in (0, 1):
+        before, after = rows["before", rank], rows["after", rank]
+        assert after["own_param_bytes"] == before["own_param_bytes"]  # the same pieces either way
+        assert before["param_storage_bytes"] == before["own_param_bytes"]  # parallelize copies its pieces
+        assert before["peak_growth"] >= 0.8 * full, before  # every rank held the whole model
+        assert after["peak_growth"] < before["peak_growth"], (before, after)
+    assert len(data["ratios"]["per_rank"]) == 2 and all(x > 0 for x in data["ratios"]["per_rank"])

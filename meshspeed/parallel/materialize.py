@@ -28,8 +28,15 @@ def _fqn_by_param(model: nn.Module) -> dict[int, str]:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, recipe: Recipe, mesh, *, seed: int = 0,
-                device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+def materialize(
+    model: nn.Module,
+    recipe: Recipe,
+    mesh,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
     """Replace every meta parameter of `model` by a real one holding this rank's piece of the
     recipe's initial value (tags kept), allocate meta buffers, re-tie, and let the recipe
     recompute derived buffers. `mesh` maps mesh dim -> Group (for ranks and sizes)."""
@@ -59,18 +66,33 @@ def _real(p: nn.Parameter, fqn: str, recipe: Recipe, mesh, seed: int, device, dt
             g = mesh[dim]
             value = local_piece(value, placement, g.rank, g.size)
     if tuple(value.shape) != tuple(p.shape):
-        raise RuntimeError(f"materialize: {fqn} piece has shape {list(value.shape)}, the module expects "
-                           f"{list(p.shape)} (sharding {sharding})")
-    out = nn.Parameter(value.to(device=device, dtype=dtype or p.dtype).contiguous(), requires_grad=p.requires_grad)
+        raise RuntimeError(
+            f"materialize: {fqn} piece has shape {list(value.shape)}, the module expects "
+            f"{list(p.shape)} (sharding {sharding})"
+        )
+    # A fresh tensor of the piece's own size, always: `.to()` is a no-op on the same device and
+    # dtype and a Shard(0) piece of a contiguous tensor is already contiguous, so without this
+    # the Parameter would be a view keeping the whole full value alive.
+    local = torch.empty(value.shape, device=device, dtype=dtype or p.dtype)
+    local.copy_(value)
+    out = nn.Parameter(local, requires_grad=p.requires_grad)
     del value  # the full value goes now, before the next parameter is drawn
     for k, v in p.__dict__.items():  # tags (sharding, sparsity marks) travel with the parameter
         setattr(out, k, v)
     return tag(out, sharding)
 
 
-def build_parallel_model(recipe: Recipe, mesh, *, seed: int = 0, device: torch.device | str = "cpu",
-                         dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-                         plan=None, keep=None) -> nn.Module:
+def build_parallel_model(
+    recipe: Recipe,
+    mesh,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    sequence_parallel: bool = False,
+    plan=None,
+    keep=None,
+) -> nn.Module:
     """This rank's model: built on meta, `keep(model)` applied (a pipeline stage drops what it
     does not hold), tensor parallel over mesh["tp"], then materialised. Without a process
     group (one device) it is the single-device model."""

@@ -21,17 +21,26 @@ from meshspeed.comm.algorithms import bounds
 from meshspeed.comm.placement import chunk_bounds, full_grad, sharding_of
 from meshspeed.models import build_model, cross_entropy_loss, get_preset, recipe_for
 from meshspeed.parallel.materialize import build_parallel_model
-from meshspeed.parallel.tensor import (STYLES, ColumnParallelLinear, RowParallelLinear, TensorPlan,
-                                       VocabParallelEmbedding, check_tp, model_loss, parallelize, tp_plan,
-                                       vocab_parallel_cross_entropy)
+from meshspeed.parallel.tensor import (
+    STYLES,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorPlan,
+    VocabParallelEmbedding,
+    check_tp,
+    model_loss,
+    parallelize,
+    tp_plan,
+    vocab_parallel_cross_entropy,
+)
 from tests import harness
 
 # Heads divide 2, 3 and 4 (GQA with 2 query heads per kv head); the FFN and expert widths
 # split unevenly at tp 3 or 4; vocab 256 splits unevenly at tp 3.
-DENSE = dict(dim=96, n_layers=2, n_heads=24, n_kv_heads=12, vocab_size=256, ffn_hidden=102,
-             max_seq_len=32)
-MOE = dict(DENSE, n_experts=4, top_k=2, n_shared_experts=1, moe_ffn_hidden=38, first_k_dense=1,
-           tie_embeddings=True)
+DENSE = dict(dim=96, n_layers=2, n_heads=24, n_kv_heads=12, vocab_size=256, ffn_hidden=102, max_seq_len=32)
+MOE = dict(
+    DENSE, n_experts=4, top_k=2, n_shared_experts=1, moe_ffn_hidden=38, first_k_dense=1, tie_embeddings=True
+)
 BATCH, SEQ = 2, 24
 
 
@@ -58,6 +67,7 @@ def close(a: torch.Tensor, b: torch.Tensor, rtol=1e-5, atol=1e-6) -> bool:
 
 # --- whole model ----------------------------------------------------------------------------
 
+
 def _tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
@@ -80,8 +90,17 @@ def job_model(ctx, overrides: dict, sp: bool) -> list[str]:
     model = parallelize(build_model(config, seed=3), mesh, recipe_for(config), sequence_parallel=sp)
     # Born sharded (meta, split, materialise pieces): exactly the values sliced from the full model.
     born = build_parallel_model(recipe_for(config), mesh, seed=3, sequence_parallel=sp)
-    bad = [f"born-sharded {n} differs" for (n, p), (m, q) in zip(model.named_parameters(), born.named_parameters())
-           if n != m or not torch.equal(p, q) or sharding_of(p) != sharding_of(q)]
+    bad = [
+        f"born-sharded {n} differs"
+        for (n, p), (m, q) in zip(model.named_parameters(), born.named_parameters())
+        if n != m or not torch.equal(p, q) or sharding_of(p) != sharding_of(q)
+    ]
+    # each piece owns exactly its bytes: no view keeping the full initial value alive
+    bad += [
+        f"born-sharded {n} holds {q.untyped_storage().nbytes()} B of storage for {q.numel() * q.element_size()} B"
+        for n, q in born.named_parameters()
+        if q.untyped_storage().nbytes() != q.numel() * q.element_size()
+    ]
     loss = model_loss(model, tokens, targets)
     loss.backward()
     if not close(loss.detach(), ref_loss.detach()):
@@ -114,6 +133,7 @@ def test_parallel_model_matches_single_device(tp):
 
 
 # --- layers ---------------------------------------------------------------------------------
+
 
 def _check(bad: list, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
     if not close(got, want):
@@ -206,6 +226,7 @@ def test_layers_match_torch(tp):
 
 # --- plan, validation (no processes) ------------------------------------------------------------
 
+
 def test_chunk_bounds_follow_torch_chunk():
     for n in (1, 5, 10, 11, 256):
         for p in (1, 2, 3, 4):
@@ -219,8 +240,12 @@ def test_default_plan_prints_and_assigns():
     config = get_preset("tiny", **MOE)
     plan = tp_plan(recipe_for(config))
     text = str(plan)
-    for pattern, style in (("layers.*.attention.wq", "colwise"), ("output", "colwise_vocab"),
-                           ("tok_embeddings", "vocab_embedding"), ("layers.*.feed_forward", "moe")):
+    for pattern, style in (
+        ("layers.*.attention.wq", "colwise"),
+        ("output", "colwise_vocab"),
+        ("tok_embeddings", "vocab_embedding"),
+        ("layers.*.feed_forward", "moe"),
+    ):
         assert any(pattern in line and style in line for line in text.splitlines()), pattern
     assigned = dict(plan.assign(build_model(config)))
     assert assigned["layers.0.feed_forward.w1"] == "colwise"  # dense first layer
