@@ -48,12 +48,25 @@ from meshspeed.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from meshspeed.parallel.pipeline.stage import build_stages  # noqa: E402
 from meshspeed.parallel.pipeline.trace import compare, measured_result  # noqa: E402
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved-extra-warmup", 2), ("zero-bubble", 1)]
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved", 2),
+    ("interleaved-extra-warmup", 2),
+    ("zero-bubble", 1),
+]
 
 
 def model_config(args):
-    return get_preset("tiny", n_layers=args.layers, dim=args.dim, n_heads=4, n_kv_heads=2, vocab_size=256,
-                      max_seq_len=args.seq_len)
+    return get_preset(
+        "tiny",
+        n_layers=args.layers,
+        dim=args.dim,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        max_seq_len=args.seq_len,
+    )
 
 
 def batch(args, step: int):
@@ -63,14 +76,17 @@ def batch(args, step: int):
 
 
 def micro_batches(x, y, args):
-    return [(x[i * args.micro:(i + 1) * args.micro], y[i * args.micro:(i + 1) * args.micro])
-            for i in range(args.microbatches)]
+    return [
+        (x[i * args.micro : (i + 1) * args.micro], y[i * args.micro : (i + 1) * args.micro])
+        for i in range(args.microbatches)
+    ]
 
 
 def meshspeed_runner(ctx, mesh, name: str, vpp: int, args, trace: bool = False):
     stages = build_stages(recipe_for(model_config(args)), mesh, vpp=vpp, seed=0)
-    rt = PipelineRuntime(stages, mesh, name, args.microbatches, micro_batch_size=args.micro, seq_len=args.seq_len,
-                         trace=trace)
+    rt = PipelineRuntime(
+        stages, mesh, name, args.microbatches, micro_batch_size=args.micro, seq_len=args.seq_len, trace=trace
+    )
 
     def step(x, y):
         stages.model.zero_grad(set_to_none=True)
@@ -108,9 +124,17 @@ def torch_runner(ctx, mesh, vpp: int, args):
     pstages = []
     for c, chunk in enumerate(stages.chunks):
         s = c * pp + rank
-        pstages.append(PipelineStage(TorchStage(chunk, positions), s, pp * vpp, torch.device("cpu"),
-                                     input_args=(tok if chunk.is_first else act,),
-                                     output_args=(logits if chunk.is_last else act,), group=mesh["pp"].pg))
+        pstages.append(
+            PipelineStage(
+                TorchStage(chunk, positions),
+                s,
+                pp * vpp,
+                torch.device("cpu"),
+                input_args=(tok if chunk.is_first else act,),
+                output_args=(logits if chunk.is_last else act,),
+                group=mesh["pp"].pg,
+            )
+        )
     loss_fn = lambda out, target: cross_entropy_loss(out, target)  # noqa: E731
     if vpp == 1:
         sched = Schedule1F1B(pstages[0], args.microbatches, loss_fn=loss_fn)
@@ -124,7 +148,9 @@ def torch_runner(ctx, mesh, vpp: int, args):
         losses: list = []
         kwargs = {"target": y, "losses": losses} if last else {}
         sched.step(*((x,) if first else ()), **kwargs)
-        total = torch.tensor([sum(float(v.detach()) for v in losses) / args.microbatches if last else 0.0], dtype=torch.float64)
+        total = torch.tensor(
+            [sum(float(v.detach()) for v in losses) / args.microbatches if last else 0.0], dtype=torch.float64
+        )
         return comm.broadcast(total, mesh["pp"], src=pp - 1).item()
 
     return step
@@ -144,23 +170,35 @@ def bubble_part(ctx, mesh, args, log) -> list[dict]:
         for s in range(args.steps):
             step(*batch(args, s))
             times = rt.gathered_trace()
-            results.append(measured_result(name, rt.schedule, times, rt.pp, rt.vpp, rt.microbatches, rt.split))
+            results.append(
+                measured_result(name, rt.schedule, times, rt.pp, rt.vpp, rt.microbatches, rt.split)
+            )
         results.sort(key=lambda r: r.makespan)
         med = results[len(results) // 2]
         sim = compare(med)
         if args.png and ctx.rank == 0:
             from meshspeed.parallel.pipeline.trace import write_trace
 
-            write_trace(os.path.join(args.png, name), med, step=-1)  # pp_trace.json + measured / simulated PNGs
+            write_trace(
+                os.path.join(args.png, name), med, step=-1
+            )  # pp_trace.json + measured / simulated PNGs
         c = med.costs
         sim0 = simulate(med.schedule, args.pp, vpp, Costs(c.f, c.b, c.w, 0.0), split=med.split)
         unit = closed_form(name, args.pp, vpp, args.microbatches, Costs())
-        rows.append({"schedule": name, "vpp": vpp, "makespan_ms": med.makespan * 1e3,
-                     "sim_makespan_ms": float(sim.makespan) * 1e3, "bubble": float(med.bubble),
-                     "sim_bubble": float(sim.bubble), "sim_bubble_no_p2p": float(sim0.bubble),
-                     "unit_bubble": float(unit[0]) if unit else None,
-                     "costs_ms": {k: getattr(med.costs, k) * 1e3 for k in ("f", "b", "w", "p2p")},
-                     "busy_ms": [b * 1e3 for b in med.busy]})
+        rows.append(
+            {
+                "schedule": name,
+                "vpp": vpp,
+                "makespan_ms": med.makespan * 1e3,
+                "sim_makespan_ms": float(sim.makespan) * 1e3,
+                "bubble": float(med.bubble),
+                "sim_bubble": float(sim.bubble),
+                "sim_bubble_no_p2p": float(sim0.bubble),
+                "unit_bubble": float(unit[0]) if unit else None,
+                "costs_ms": {k: getattr(med.costs, k) * 1e3 for k in ("f", "b", "w", "p2p")},
+                "busy_ms": [b * 1e3 for b in med.busy],
+            }
+        )
         log(f"  {name}: measured bubble {float(med.bubble):.3f}, simulated {float(sim.bubble):.3f}")
         del rt, step
         gc.collect()
@@ -182,7 +220,10 @@ def peer_part(ctx, mesh, args, log) -> list[dict]:
         x, y = batch(args, 0)
         l_ours, l_theirs = ours(x, y), theirs(x, y)
         agree = abs(l_ours - l_theirs) <= 1e-5 * abs(l_ours)
-        log(f"  {label}: first-step loss meshspeed {l_ours:.6f} torch {l_theirs:.6f} ({'agree' if agree else 'MISMATCH'})")
+        log(
+            f"  {label}: first-step loss meshspeed {l_ours:.6f} torch {l_theirs:.6f} "
+            f"({'agree' if agree else 'MISMATCH'})"
+        )
         for w in range(args.warmup):
             ours(*batch(args, w))
             theirs(*batch(args, w))
@@ -191,7 +232,7 @@ def peer_part(ctx, mesh, args, log) -> list[dict]:
             local = {"meshspeed": [], "torch": []}
             for s in range(args.steps):
                 order = [("meshspeed", ours), ("torch", theirs)]
-                for key, fn in (order if s % 2 == 0 else order[::-1]):
+                for key, fn in order if s % 2 == 0 else order[::-1]:
                     comm.barrier(ctx.world)
                     t0 = time.perf_counter()
                     fn(*batch(args, s))
@@ -200,9 +241,19 @@ def peer_part(ctx, mesh, args, log) -> list[dict]:
                 slowest = comm.all_reduce(torch.tensor(local[key], dtype=torch.float64), ctx.world, "max")
                 rounds[key].append(statistics.median(slowest.tolist()) * 1e3)
         ratios = [t / o for t, o in zip(rounds["torch"], rounds["meshspeed"])]
-        rows.append({"schedule": label, "vpp": vpp, "loss_meshspeed": l_ours, "loss_torch": l_theirs, "agree": agree,
-                     "meshspeed_ms": statistics.median(rounds["meshspeed"]), "torch_ms": statistics.median(rounds["torch"]),
-                     "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]})
+        rows.append(
+            {
+                "schedule": label,
+                "vpp": vpp,
+                "loss_meshspeed": l_ours,
+                "loss_torch": l_theirs,
+                "agree": agree,
+                "meshspeed_ms": statistics.median(rounds["meshspeed"]),
+                "torch_ms": statistics.median(rounds["torch"]),
+                "ratio": statistics.median(ratios),
+                "ratio_range": [min(ratios), max(ratios)],
+            }
+        )
         gc.collect()
     return rows
 
@@ -231,27 +282,65 @@ def worker(args_dict: dict, out_path: str) -> None:
 # ------------------------------------------------------------------------------ report
 def report(res: dict, args) -> None:
     if res.get("bubble"):
-        print(f"\nbubble: pp={args.pp} m={args.microbatches}, {args.layers} layers of dim {args.dim}, micro {args.micro} x "
-              f"seq {args.seq_len}; median-makespan step of {args.steps}")
-        head = ("schedule", "vpp", "F/B/W ms (rank share)", "p2p ms", "makespan ms", "sim ms", "bubble", "sim bubble",
-                "sim, p2p 0", "unit-cost")
+        print(
+            f"\nbubble: pp={args.pp} m={args.microbatches}, {args.layers} layers of dim {args.dim}, "
+            f"micro {args.micro} x "
+            f"seq {args.seq_len}; median-makespan step of {args.steps}"
+        )
+        head = (
+            "schedule",
+            "vpp",
+            "F/B/W ms (rank share)",
+            "p2p ms",
+            "makespan ms",
+            "sim ms",
+            "bubble",
+            "sim bubble",
+            "sim, p2p 0",
+            "unit-cost",
+        )
         rows = []
         for r in res["bubble"]:
             c = r["costs_ms"]
-            rows.append((r["schedule"], str(r["vpp"]), f"{c['f']:.1f}/{c['b']:.1f}/{c['w']:.1f}", f"{c['p2p']:.2f}",
-                         f"{r['makespan_ms']:.1f}", f"{r['sim_makespan_ms']:.1f}", f"{r['bubble']:.3f}",
-                         f"{r['sim_bubble']:.3f}", f"{r['sim_bubble_no_p2p']:.3f}",
-                         f"{r['unit_bubble']:.3f}" if r["unit_bubble"] is not None else "-"))
+            rows.append(
+                (
+                    r["schedule"],
+                    str(r["vpp"]),
+                    f"{c['f']:.1f}/{c['b']:.1f}/{c['w']:.1f}",
+                    f"{c['p2p']:.2f}",
+                    f"{r['makespan_ms']:.1f}",
+                    f"{r['sim_makespan_ms']:.1f}",
+                    f"{r['bubble']:.3f}",
+                    f"{r['sim_bubble']:.3f}",
+                    f"{r['sim_bubble_no_p2p']:.3f}",
+                    f"{r['unit_bubble']:.3f}" if r["unit_bubble"] is not None else "-",
+                )
+            )
         _table(head, rows)
-        print("sim = the same schedule simulated with the measured mean F/B/W and p2p (median delivery time of the "
-              "messages a rank waited for); sim, p2p 0 = compute costs only; unit-cost = closed form, f=b=w, p2p 0")
+        print(
+            "sim = the same schedule simulated with the measured mean F/B/W and p2p (median delivery time "
+            "of the messages a rank waited for); sim, p2p 0 = compute costs only; unit-cost = closed form, "
+            "f=b=w, p2p 0"
+        )
     if res.get("peer"):
-        print(f"\nvs torch.distributed.pipelining (forward+backward of {args.microbatches} micro-batches; ratio = torch / "
-              "meshspeed, > 1: meshspeed faster)")
+        print(
+            f"\nvs torch.distributed.pipelining (forward+backward of {args.microbatches} micro-batches; "
+            "ratio = torch / "
+            "meshspeed, > 1: meshspeed faster)"
+        )
         head = ("schedule", "vpp", "loss check", "meshspeed ms", "torch ms", "ratio", "range")
-        rows = [(r["schedule"], str(r["vpp"]), "agree" if r["agree"] else "MISMATCH", f"{r['meshspeed_ms']:.1f}",
-                 f"{r['torch_ms']:.1f}", f"{r['ratio']:.2f}x", f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}")
-                for r in res["peer"]]
+        rows = [
+            (
+                r["schedule"],
+                str(r["vpp"]),
+                "agree" if r["agree"] else "MISMATCH",
+                f"{r['meshspeed_ms']:.1f}",
+                f"{r['torch_ms']:.1f}",
+                f"{r['ratio']:.2f}x",
+                f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}",
+            )
+            for r in res["peer"]
+        ]
         _table(head, rows)
 
 
@@ -270,11 +359,17 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per schedule (bubble) / per round (peer)")
+    p.add_argument(
+        "--steps", type=int, default=5, help="timed steps per schedule (bubble) / per round (peer)"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--parts", default="bubble,peer")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--png", metavar="DIR", help="write each schedule's measured and simulated timeline to DIR/<schedule>/")
+    p.add_argument(
+        "--png",
+        metavar="DIR",
+        help="write each schedule's measured and simulated timeline to DIR/<schedule>/",
+    )
     args = p.parse_args(argv)
     args.parts = args.parts.split(",")
     return args

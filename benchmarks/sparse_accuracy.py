@@ -31,14 +31,54 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = {
     "dense": ("dense", []),
-    "nm-static": ("2:4 static (one-shot magnitude)", ["--sparsity.pattern", "2:4", "--sparsity.method", "magnitude",
-                                                      "--sparsity.update_interval", "{never}"]),
-    "nm-dynamic": ("2:4 dynamic (SR-STE, recomputed)", ["--sparsity.pattern", "2:4", "--sparsity.method", "sr-ste",
-                                                         "--sparsity.update_interval", "{interval}"]),
-    "rigl50": ("unstructured RigL 50%", ["--sparsity.pattern", "unstructured", "--sparsity.target", "0.5",
-                                         "--sparsity.method", "rigl", "--sparsity.update_interval", "{interval}"]),
-    "rigl80": ("unstructured RigL 80%", ["--sparsity.pattern", "unstructured", "--sparsity.target", "0.8",
-                                         "--sparsity.method", "rigl", "--sparsity.update_interval", "{interval}"]),
+    "nm-static": (
+        "2:4 static (one-shot magnitude)",
+        [
+            "--sparsity.pattern",
+            "2:4",
+            "--sparsity.method",
+            "magnitude",
+            "--sparsity.update_interval",
+            "{never}",
+        ],
+    ),
+    "nm-dynamic": (
+        "2:4 dynamic (SR-STE, recomputed)",
+        [
+            "--sparsity.pattern",
+            "2:4",
+            "--sparsity.method",
+            "sr-ste",
+            "--sparsity.update_interval",
+            "{interval}",
+        ],
+    ),
+    "rigl50": (
+        "unstructured RigL 50%",
+        [
+            "--sparsity.pattern",
+            "unstructured",
+            "--sparsity.target",
+            "0.5",
+            "--sparsity.method",
+            "rigl",
+            "--sparsity.update_interval",
+            "{interval}",
+        ],
+    ),
+    "rigl80": (
+        "unstructured RigL 80%",
+        [
+            "--sparsity.pattern",
+            "unstructured",
+            "--sparsity.target",
+            "0.8",
+            "--sparsity.method",
+            "rigl",
+            "--sparsity.update_interval",
+            "{interval}",
+        ],
+    ),
 }
 
 
@@ -46,10 +86,31 @@ def run_one(key: str, args, out_dir: str) -> dict:
     label, extra = RUNS[key]
     extra = [a.format(never=args.steps + 1, interval=args.update_interval) for a in extra]
     run_dir = os.path.join(out_dir, key)
-    cmd = [sys.executable, "-m", "meshspeed", "train", "--nproc", str(args.nproc), "--parallel.tp", "1",
-           "--model.preset", "tiny", "--train.steps", str(args.steps), "--train.seed", str(args.seed),
-           "--train.eval_interval", "0", "--run.dir", run_dir, "--run.log_interval", str(args.steps)] + extra
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshspeed",
+        "train",
+        "--nproc",
+        str(args.nproc),
+        "--parallel.tp",
+        "1",
+        "--model.preset",
+        "tiny",
+        "--train.steps",
+        str(args.steps),
+        "--train.seed",
+        str(args.seed),
+        "--train.eval_interval",
+        "0",
+        "--run.dir",
+        run_dir,
+        "--run.log_interval",
+        str(args.steps),
+    ] + extra
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     t0 = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -59,11 +120,18 @@ def run_one(key: str, args, out_dir: str) -> dict:
         rows = [json.loads(line) for line in f]
     tokens = 16 * 128  # the tiny preset's global batch x sequence length (trainer defaults)
     steady = [r["tokens_per_s"] for r in rows[3:]]  # the first steps pay for warm-up
-    return {"key": key, "label": label, "val_loss": rows[-1]["val_loss"], "train_loss": rows[-1]["loss"],
-            "sparsity": rows[-1].get("sparsity", 0.0),
-            "flip_rate": [r["flip_rate"] for r in rows if "flip_rate" in r],
-            "tokens_per_s": sum(steady) / len(steady), "train_s": sum(tokens / r["tokens_per_s"] for r in rows),
-            "wall_s": wall, "load": os.getloadavg()[0]}
+    return {
+        "key": key,
+        "label": label,
+        "val_loss": rows[-1]["val_loss"],
+        "train_loss": rows[-1]["loss"],
+        "sparsity": rows[-1].get("sparsity", 0.0),
+        "flip_rate": [r["flip_rate"] for r in rows if "flip_rate" in r],
+        "tokens_per_s": sum(steady) / len(steady),
+        "train_s": sum(tokens / r["tokens_per_s"] for r in rows),
+        "wall_s": wall,
+        "load": os.getloadavg()[0],
+    }
 
 
 def table(results: list[dict]) -> str:
@@ -72,8 +140,18 @@ def table(results: list[dict]) -> str:
     cells = []
     for r in results:
         delta = f"{r['val_loss'] - dense['val_loss']:+.4f}" if dense else "-"
-        cells.append([r["label"], f"{r['sparsity']:.3f}", f"{r['val_loss']:.4f}", delta,
-                      f"{r['tokens_per_s']:,.0f}", f"{r['train_s']:.1f}", f"{r['wall_s']:.1f}", f"{r['load']:.1f}"])
+        cells.append(
+            [
+                r["label"],
+                f"{r['sparsity']:.3f}",
+                f"{r['val_loss']:.4f}",
+                delta,
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['train_s']:.1f}",
+                f"{r['wall_s']:.1f}",
+                f"{r['load']:.1f}",
+            ]
+        )
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     fmt = "  ".join(f"{{:<{widths[0]}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
@@ -94,9 +172,12 @@ def main() -> int:
     bad = [k for k in keys if k not in RUNS]
     if bad:
         p.error(f"unknown run(s) {', '.join(bad)}; choose from {', '.join(RUNS)}")
-    print(f"tiny preset, default corpus, {args.steps} steps, global batch 16 x 128 tokens, seed {args.seed}, "
-          f"{args.nproc} worker(s) (dp {args.nproc}), {os.cpu_count()} CPU core(s); dynamic masks every "
-          f"{args.update_interval} steps", flush=True)
+    print(
+        f"tiny preset, default corpus, {args.steps} steps, global batch 16 x 128 tokens, seed {args.seed}, "
+        f"{args.nproc} worker(s) (dp {args.nproc}), {os.cpu_count()} CPU core(s); dynamic masks every "
+        f"{args.update_interval} steps",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = args.out or tmp
         results = []
@@ -106,10 +187,14 @@ def main() -> int:
             print(f"  {r['label']}: val loss {r['val_loss']:.4f} in {r['wall_s']:.0f}s", flush=True)
     print()
     print(table(results))
-    print("\nsparsity: of the masked projections (attention + MLP); tokens/s: mean over steps after the 3rd;"
-          "\ntrain s: sum of step times; wall s: the whole `meshspeed train` process (start-up, eval, checkpoint);"
-          "\nload: the machine's 1-minute load average after the run (other work on the cores makes speeds noisy)."
-          "\nCPU: dense-masked path everywhere (no sparse kernels), so sparse runs cannot be faster here.")
+    print(
+        "\nsparsity: of the masked projections (attention + MLP); tokens/s: mean over steps after the 3rd;"
+        "\ntrain s: sum of step times; wall s: the whole `meshspeed train` process "
+        "(start-up, eval, checkpoint);"
+        "\nload: the machine's 1-minute load average after the run "
+        "(other work on the cores makes speeds noisy)."
+        "\nCPU: dense-masked path everywhere (no sparse kernels), so sparse runs cannot be faster here."
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -119,7 +119,9 @@ def adamw_groups(model):
 
 
 def adamw_kwargs(args) -> dict:
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[args.peer_adamw]
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[
+        args.peer_adamw
+    ]
     return dict(lr=LR, betas=BETAS, eps=EPS, **impl)
 
 
@@ -135,8 +137,17 @@ def build_meshspeed(args, mesh, zero: int, tp: int = 1, sp: bool = False) -> Run
         recipe = recipe_for(model.config)
         check_tp(tp, recipe)
         parallelize(model, mesh, recipe, sequence_parallel=sp)
-    dp, opt = build_data_parallel(model, mesh, zero=zero, bucket_mb=args.bucket_mb, dtype=DTYPES[args.dtype],
-                                  lr=LR, weight_decay=WD, betas=BETAS, eps=EPS)
+    dp, opt = build_data_parallel(
+        model,
+        mesh,
+        zero=zero,
+        bucket_mb=args.bucket_mb,
+        dtype=DTYPES[args.dtype],
+        lr=LR,
+        weight_decay=WD,
+        betas=BETAS,
+        eps=EPS,
+    )
 
     def step(x, y):
         opt.zero_grad()
@@ -146,9 +157,17 @@ def build_meshspeed(args, mesh, zero: int, tp: int = 1, sp: bool = False) -> Run
         return loss.detach()
 
     def memory():
-        state = [t for st in opt.shards for t in (st.exp_avg, st.exp_avg_sq) + ((st.master,) if st.owns_master else ())]
+        state = [
+            t
+            for st in opt.shards
+            for t in (st.exp_avg, st.exp_avg_sq) + ((st.master,) if st.owns_master else ())
+        ]
         grads = [t for b in dp.buckets for t in (b.grad, b.grad_shard)]
-        out = {"state": counted_bytes(state), "grads": counted_bytes(grads), "params": counted_bytes(model.parameters())}
+        out = {
+            "state": counted_bytes(state),
+            "grads": counted_bytes(grads),
+            "params": counted_bytes(model.parameters()),
+        }
         # The library's own accounting must agree with the storage count.
         out["api_agrees"] = out["state"] == opt.state_bytes() and out["grads"] == dp.grad_bytes()
         return out
@@ -175,8 +194,12 @@ def _torch_memory(model, opt):
     params = [p for g in opt.param_groups for p in g["params"]]
 
     def memory():
-        return {"state": counted_bytes(torch_opt_state(opt)), "grads": counted_bytes(p.grad for p in params),
-                "params": counted_bytes(params), "api_agrees": True}
+        return {
+            "state": counted_bytes(torch_opt_state(opt)),
+            "grads": counted_bytes(p.grad for p in params),
+            "params": counted_bytes(params),
+            "api_agrees": True,
+        }
 
     return memory
 
@@ -187,10 +210,18 @@ def _ddp(model, mesh, args):
 
     # The only buffers are the constant RoPE tables: no per-forward buffer broadcast (torch 2.13
     # renamed the switch; broadcast_buffers=False is the older spelling).
-    kw = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
-        DistributedDataParallel).parameters else {"broadcast_buffers": False}
-    return DistributedDataParallel(model, process_group=mesh.device_mesh.get_group("dp"), bucket_cap_mb=args.bucket_mb,
-                                   gradient_as_bucket_view=True, **kw)
+    kw = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        else {"broadcast_buffers": False}
+    )
+    return DistributedDataParallel(
+        model,
+        process_group=mesh.device_mesh.get_group("dp"),
+        bucket_cap_mb=args.bucket_mb,
+        gradient_as_bucket_view=True,
+        **kw,
+    )
 
 
 def build_ddp(args, mesh) -> Runner:
@@ -206,8 +237,12 @@ def build_ddp_zero1(args, mesh) -> Runner:
 
     model = fresh_model(args)
     ddp = _ddp(model, mesh, args)
-    opt = ZeroRedundancyOptimizer(adamw_groups(model), optimizer_class=torch.optim.AdamW,
-                                  process_group=mesh.device_mesh.get_group("dp"), **adamw_kwargs(args))
+    opt = ZeroRedundancyOptimizer(
+        adamw_groups(model),
+        optimizer_class=torch.optim.AdamW,
+        process_group=mesh.device_mesh.get_group("dp"),
+        **adamw_kwargs(args),
+    )
     return Runner(_torch_step(model, ddp, opt, args), _torch_memory(model, opt), (model, ddp, opt))
 
 
@@ -241,31 +276,47 @@ def dtensor_plan(sp: bool, loss_parallel: bool) -> tuple[dict, dict]:
     """(model-level, per-block) plans: torchtitan's Llama plan, on the projections meshspeed splits."""
     # peer being compared: DTensor tensor parallelism
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     seq = Shard(1) if sp else Replicate()
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     if sp:
         plan["norm"] = SequenceParallel()
     layer = {
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
     if sp:
-        layer.update({
-            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            # Attention.forward(x, cos, sin) / FeedForward.forward(x): gather the sequence first.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        layer.update(
+            {
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                # Attention.forward(x, cos, sin) / FeedForward.forward(x): gather the sequence first.
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+        )
     return plan, layer
 
 
@@ -276,8 +327,10 @@ def build_dtensor_tp(args, mesh, sp: bool) -> Runner:
 
     model = fresh_model(args)
     if model.config.is_moe:
-        raise NotImplementedError("this benchmark has no DTensor plan for MoE layers (torchtitan shards experts "
-                                  "with expert parallelism instead); use a dense --model")
+        raise NotImplementedError(
+            "this benchmark has no DTensor plan for MoE layers (torchtitan shards experts "
+            "with expert parallelism instead); use a dense --model"
+        )
     tp_mesh = mesh.device_mesh["tp"]
     top, layer = dtensor_plan(sp, args.loss_parallel)
     parallelize_module(model, tp_mesh, top)
@@ -310,23 +363,51 @@ def config_plan(name: str, args):
     n, tp = args.nproc, args.tp
     fs = f"FSDP2 (reshard_after_forward={args.fsdp_reshard_after_forward})"
     if name == "dp":
-        return dict(dp=n), [("ms0", "meshspeed", "meshspeed zero=0", lambda m: build_meshspeed(args, m, 0)),
-                            ("ddp", "peer", "DDP", lambda m: build_ddp(args, m))], \
-            [(f"dp={n} zero=0", "ms0", "ddp")]
+        return (
+            dict(dp=n),
+            [
+                ("ms0", "meshspeed", "meshspeed zero=0", lambda m: build_meshspeed(args, m, 0)),
+                ("ddp", "peer", "DDP", lambda m: build_ddp(args, m)),
+            ],
+            [(f"dp={n} zero=0", "ms0", "ddp")],
+        )
     if name == "zero":
-        return dict(dp=n), [("ms1", "meshspeed", "meshspeed zero=1", lambda m: build_meshspeed(args, m, 1)),
-                            ("ms2", "meshspeed", "meshspeed zero=2", lambda m: build_meshspeed(args, m, 2)),
-                            ("zro", "peer", "DDP+ZeroRedundancyOptimizer", lambda m: build_ddp_zero1(args, m)),
-                            ("fsdp", "peer", fs, lambda m: build_fsdp2(args, m))], \
-            [(f"dp={n} zero=1", "ms1", "zro"), (f"dp={n} zero=1", "ms1", "fsdp"), (f"dp={n} zero=2", "ms2", "fsdp")]
+        return (
+            dict(dp=n),
+            [
+                ("ms1", "meshspeed", "meshspeed zero=1", lambda m: build_meshspeed(args, m, 1)),
+                ("ms2", "meshspeed", "meshspeed zero=2", lambda m: build_meshspeed(args, m, 2)),
+                ("zro", "peer", "DDP+ZeroRedundancyOptimizer", lambda m: build_ddp_zero1(args, m)),
+                ("fsdp", "peer", fs, lambda m: build_fsdp2(args, m)),
+            ],
+            [
+                (f"dp={n} zero=1", "ms1", "zro"),
+                (f"dp={n} zero=1", "ms1", "fsdp"),
+                (f"dp={n} zero=2", "ms2", "fsdp"),
+            ],
+        )
     sp = name == "tp-sp"
     dims = dict(dp=n // tp, tp=tp)
     tag = (f"dp={n // tp} tp={tp}" if n % tp == 0 else f"tp={tp}") + (" sp" if sp else "")
-    peer = "DTensor TP" + ("+SP" if sp else "") + (" +DDP" if n // tp > 1 else "") + \
-        (" loss_parallel" if args.loss_parallel else "")
-    return dims, [("mstp", "meshspeed", "meshspeed parallelize" + (" sp" if sp else ""),
-                   lambda m: build_meshspeed(args, m, 0, tp, sp)),
-                  ("dttp", "peer", peer, lambda m: build_dtensor_tp(args, m, sp))], [(tag, "mstp", "dttp")]
+    peer = (
+        "DTensor TP"
+        + ("+SP" if sp else "")
+        + (" +DDP" if n // tp > 1 else "")
+        + (" loss_parallel" if args.loss_parallel else "")
+    )
+    return (
+        dims,
+        [
+            (
+                "mstp",
+                "meshspeed",
+                "meshspeed parallelize" + (" sp" if sp else ""),
+                lambda m: build_meshspeed(args, m, 0, tp, sp),
+            ),
+            ("dttp", "peer", peer, lambda m: build_dtensor_tp(args, m, sp)),
+        ],
+        [(tag, "mstp", "dttp")],
+    )
 
 
 def _short(err: BaseException) -> str:
@@ -347,7 +428,9 @@ def batches(args, vocab: int, dp_rank: int, dp: int, n: int = 4):
     out = []
     rows = args.batch // dp
     for _ in range(n):
-        t = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g)[dp_rank * rows:(dp_rank + 1) * rows]
+        t = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g)[
+            dp_rank * rows : (dp_rank + 1) * rows
+        ]
         out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
     return out
 
@@ -356,7 +439,10 @@ def run_config(ctx, name: str, args, log) -> dict:
     dims, variants, rows = config_plan(name, args)
     if args.nproc % dims.get("tp", 1):
         reason = f"--tp={args.tp} does not divide --nproc={args.nproc}"
-        return {"variants": {k: {"label": lab, "side": side, "error": reason} for k, side, lab, _ in variants}, "rows": rows}
+        return {
+            "variants": {k: {"label": lab, "side": side, "error": reason} for k, side, lab, _ in variants},
+            "rows": rows,
+        }
     mesh = comm.ParallelDims(**dims).build(ctx)
     dp = mesh["dp"]
     data = batches(args, get_preset(args.model).vocab_size, mesh.coords["dp"], dp.size)
@@ -384,7 +470,9 @@ def run_config(ctx, name: str, args, log) -> dict:
             continue
         mem = res[key]["memory"]
         for k in ("state", "grads", "params"):  # per rank, the largest
-            mem[k] = int(comm.all_reduce(torch.tensor([float(mem[k])], dtype=torch.float64), ctx.world, "max").item())
+            mem[k] = int(
+                comm.all_reduce(torch.tensor([float(mem[k])], dtype=torch.float64), ctx.world, "max").item()
+            )
     alive = [k for k, *_ in variants if k in runners]
     for key in alive:
         for i in range(args.warmup):
@@ -397,7 +485,7 @@ def run_config(ctx, name: str, args, log) -> dict:
         for s in range(args.steps):
             # Interleaved step by step, the order reversed every other step (A B B A ...): a
             # slow spell of the machine (seconds long on 2 shared cores) hits every variant alike.
-            for key in (alive if (r * args.steps + s) % 2 == 0 else alive[::-1]):
+            for key in alive if (r * args.steps + s) % 2 == 0 else alive[::-1]:
                 comm.barrier(ctx.world)  # every rank starts the step together
                 t0 = time.perf_counter()
                 runners[key].step(*data[s % len(data)])
@@ -451,20 +539,34 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
             diffs = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["losses"], b["losses"])]
             bad = max(diffs) > rtol
             mismatch |= bad
-            print(f"  {tag:<20} {a['label']:<26} {a['losses'][0]:.6f} {a['losses'][1]:.6f}   "
-                  f"{b['label']:<34} {b['losses'][0]:.6f} {b['losses'][1]:.6f}   "
-                  f"{'MISMATCH' if bad else 'ok'} (max rel diff {max(diffs):.1e}, tol {rtol:.0e})")
-    print(f"\ntraining step, {args.model} {args.dtype}, global batch {args.batch} x seq {args.seq_len} = {tokens} tokens, "
-          f"{args.nproc} ranks; median of {args.rounds} rounds x {args.steps} steps (after {args.warmup} warmup)")
-    hdr = (f"{'config':<18} {'meshspeed':<24} {'ms':>8}   {'peer':<36} {'ms':>8} {'peer/meshspeed':>15} {'range':>12} "
-           f"{'ms tok/s':>9} {'peer tok/s':>10}")
+            print(
+                f"  {tag:<20} {a['label']:<26} {a['losses'][0]:.6f} {a['losses'][1]:.6f}   "
+                f"{b['label']:<34} {b['losses'][0]:.6f} {b['losses'][1]:.6f}   "
+                f"{'MISMATCH' if bad else 'ok'} (max rel diff {max(diffs):.1e}, tol {rtol:.0e})"
+            )
+    print(
+        f"\ntraining step, {args.model} {args.dtype}, global batch {args.batch} x seq {args.seq_len} "
+        f"= {tokens} tokens, {args.nproc} ranks; median of {args.rounds} rounds x {args.steps} steps "
+        f"(after {args.warmup} warmup)"
+    )
+    hdr = (
+        f"{'config':<18} {'meshspeed':<24} {'ms':>8}   {'peer':<36} {'ms':>8} {'peer/meshspeed':>15} "
+        f"{'range':>12} {'ms tok/s':>9} {'peer tok/s':>10}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for name, cfg in results.items():
         for tag, ms_key, peer_key in cfg["rows"]:
             a, b = cfg["variants"][ms_key], cfg["variants"][peer_key]
-            row = {"config": tag, "meshspeed": a["label"], "peer": b["label"], "meshspeed_ms": None, "peer_ms": None,
-                   "ratio": None, "error": a.get("error") or b.get("error")}
+            row = {
+                "config": tag,
+                "meshspeed": a["label"],
+                "peer": b["label"],
+                "meshspeed_ms": None,
+                "peer_ms": None,
+                "ratio": None,
+                "error": a.get("error") or b.get("error"),
+            }
             ta, tb = a.get("times_ms"), b.get("times_ms")
             ms_txt = f"{statistics.median(ta):8.2f}" if ta else f"{'-':>8}"
             peer_txt = f"{statistics.median(tb):8.2f}" if tb else f"{'-':>8}"
@@ -478,11 +580,16 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
                 ratios = [y / x for x, y in zip(ta, tb)]
                 row["ratio"] = statistics.median(ratios)
                 row["ratio_range"] = [min(ratios), max(ratios)]
-                tail = (f"{row['ratio']:15.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>12} "
-                        f"{tokens / row['meshspeed_ms'] * 1e3:9.0f} {tokens / row['peer_ms'] * 1e3:10.0f}")
+                tail = (
+                    f"{row['ratio']:15.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>12} "
+                    f"{tokens / row['meshspeed_ms'] * 1e3:9.0f} {tokens / row['peer_ms'] * 1e3:10.0f}"
+                )
             else:
-                tail = f"{'-':>15} {'-':>12} " + (f"{tokens / row['meshspeed_ms'] * 1e3:9.0f}" if ta else f"{'-':>9}") + \
-                    f" {'-':>10}"
+                tail = (
+                    f"{'-':>15} {'-':>12} "
+                    + (f"{tokens / row['meshspeed_ms'] * 1e3:9.0f}" if ta else f"{'-':>9}")
+                    + f" {'-':>10}"
+                )
             peer_label = b["label"] if not b.get("error") else f"{b['label']} FAILED"
             ms_label = a["label"] if not a.get("error") else f"{a['label']} FAILED"
             print(f"{tag:<18} {ms_label:<24} {ms_txt}   {peer_label:<36} {peer_txt} {tail}")
@@ -491,8 +598,11 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
                     print(f"{'':<18}   ^ {side['label']}: {side['error']}")
             rows_out.append(row)
     print("ratio = peer / meshspeed step time (> 1: meshspeed faster); range: lowest-highest per-round ratio")
-    print(f"\ncounted bytes per rank (max over ranks), held between steps: storage of optimizer state, gradients, "
-          f"parameters ({args.model}, {args.dtype})")
+    print(
+        "\ncounted bytes per rank (max over ranks), held between steps: storage of optimizer state, "
+        "gradients, "
+        f"parameters ({args.model}, {args.dtype})"
+    )
     mhdr = f"{'config':<14} {'variant':<38} {'opt state':>13} {'grads':>13} {'params':>13} {'total':>13}"
     print(mhdr)
     print("-" * len(mhdr))
@@ -504,41 +614,87 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
             m = v["memory"]
             total = m["state"] + m["grads"] + m["params"]
             flag = "" if m.get("api_agrees", True) else "  (!) differs from opt.state_bytes()/dp.grad_bytes()"
-            print(f"{dims:<14} {v['label']:<38} {_fmt_bytes(m['state'])} {_fmt_bytes(m['grads'])} "
-                  f"{_fmt_bytes(m['params'])} {_fmt_bytes(total)}{flag}")
-            rows_out.append({"config": dims, "variant": v["label"], "side": v["side"], "state_bytes": m["state"],
-                             "grad_bytes": m["grads"], "param_bytes": m["params"]})
+            print(
+                f"{dims:<14} {v['label']:<38} {_fmt_bytes(m['state'])} {_fmt_bytes(m['grads'])} "
+                f"{_fmt_bytes(m['params'])} {_fmt_bytes(total)}{flag}"
+            )
+            rows_out.append(
+                {
+                    "config": dims,
+                    "variant": v["label"],
+                    "side": v["side"],
+                    "state_bytes": m["state"],
+                    "grad_bytes": m["grads"],
+                    "param_bytes": m["params"],
+                }
+            )
     if mismatch:
-        print("\n(!) LOSS MISMATCH: a meshspeed variant and its peer computed different losses; "
-              "their times are not comparable")
+        print(
+            "\n(!) LOSS MISMATCH: a meshspeed variant and its peer computed different losses; "
+            "their times are not comparable"
+        )
     return rows_out, mismatch
 
 
 def parse_args(argv):
     doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=doc[0], epilog="\n\n".join(doc[1:]), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=4, help="local gloo worker processes (default 4)")
     p.add_argument("--model", default="tiny", choices=preset_names(), help="model preset (default tiny)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype (default float32)")
-    p.add_argument("--batch", type=int, default=16, help="global batch in sequences, split over dp (default 16)")
+    p.add_argument(
+        "--batch", type=int, default=16, help="global batch in sequences, split over dp (default 16)"
+    )
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--steps", type=int, default=6,
-                   help="timed steps per variant per round; the round's value is their median (default 6)")
-    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds; the median is reported (default 8)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before the rounds (default 3)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the tp configs (default 2; dp = nproc/tp)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket MiB, meshspeed and DDP (default 25)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
-    p.add_argument("--peer-adamw", default="fused", choices=["fused", "foreach", "for-loop"],
-                   help="torch AdamW implementation for the peers (default fused, torch's fastest)")
-    p.add_argument("--fsdp-reshard-after-forward", type=lambda s: s.lower() in ("1", "true", "yes"), default=False,
-                   metavar="BOOL", help="FSDP2's reshard_after_forward (default false: ZeRO-2-like traffic; true: ZeRO-3)")
-    p.add_argument("--loss-parallel", action="store_true",
-                   help="DTensor peer computes the loss with torch's loss_parallel() (vocab-parallel, like meshspeed) "
-                        "instead of cross-entropy on gathered logits")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=6,
+        help="timed steps per variant per round; the round's value is their median (default 6)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=8, help="interleaved rounds; the median is reported (default 8)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps per variant before the rounds (default 3)"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=2,
+        help="tensor-parallel degree of the tp configs (default 2; dp = nproc/tp)",
+    )
+    p.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="gradient bucket MiB, meshspeed and DDP (default 25)"
+    )
+    p.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}"
+    )
+    p.add_argument(
+        "--peer-adamw",
+        default="fused",
+        choices=["fused", "foreach", "for-loop"],
+        help="torch AdamW implementation for the peers (default fused, torch's fastest)",
+    )
+    p.add_argument(
+        "--fsdp-reshard-after-forward",
+        type=lambda s: s.lower() in ("1", "true", "yes"),
+        default=False,
+        metavar="BOOL",
+        help="FSDP2's reshard_after_forward (default false: ZeRO-2-like traffic; true: ZeRO-3)",
+    )
+    p.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="DTensor peer computes the loss with torch's loss_parallel() (vocab-parallel, like meshspeed) "
+        "instead of cross-entropy on gathered logits",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE", help="write the rows (timings, ratios, counted bytes, settings) here")
+    p.add_argument(
+        "--json", metavar="FILE", help="write the rows (timings, ratios, counted bytes, settings) here"
+    )
     p.add_argument("--verbose", action="store_true", help="print tracebacks of variants that fail")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -551,7 +707,10 @@ def parse_args(argv):
     if args.warmup < 0:
         p.error(f"--warmup={args.warmup} must be >= 0")
     if args.batch % args.nproc:
-        p.error(f"--batch={args.batch} must be a multiple of --nproc={args.nproc} (each dp rank takes batch/dp rows)")
+        p.error(
+            f"--batch={args.batch} must be a multiple of --nproc={args.nproc} "
+            "(each dp rank takes batch/dp rows)"
+        )
     if "tp-sp" in args.configs and args.seq_len % args.tp:
         p.error(f"--seq-len={args.seq_len} must be a multiple of --tp={args.tp} for sequence parallelism")
     return args
@@ -560,8 +719,11 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    print(f"meshspeed vs torch {torch.__version__}: {args.nproc} gloo ranks, model {args.model}, {args.dtype}, "
-          f"configs {','.join(args.configs)}", flush=True)
+    print(
+        f"meshspeed vs torch {torch.__version__}: {args.nproc} gloo ranks, model {args.model}, {args.dtype}, "
+        f"configs {','.join(args.configs)}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         code = comm.spawn(worker, args.nproc, (vars(args), out))
@@ -574,8 +736,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": {k: v for k, v in vars(args).items() if k != "json"}, "torch": torch.__version__,
-                       "loss_mismatch": mismatch, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                    "torch": torch.__version__,
+                    "loss_mismatch": mismatch,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
         print(f"rows written to {args.json}")
     return 0
 

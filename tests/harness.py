@@ -61,8 +61,10 @@ class Pool:
         self.outq = mctx.Queue()
         self.inqs = [mctx.Queue() for _ in range(ws)]
         port = free_port()
-        self.procs = [mctx.Process(target=_worker, args=(r, ws, port, self.inqs[r], self.outq), daemon=True)
-                      for r in range(ws)]
+        self.procs = [
+            mctx.Process(target=_worker, args=(r, ws, port, self.inqs[r], self.outq), daemon=True)
+            for r in range(ws)
+        ]
         for p in self.procs:
             p.start()
         self._collect(60.0, "start")
@@ -120,7 +122,9 @@ class Pool:
 _POOLS: dict[int, Pool] = {}
 
 
-def run(ws: int, fn, *args, timeout: float = DEFAULT_JOB_TIMEOUT_S, fresh_after: bool = False, **overrides) -> list:
+def run(
+    ws: int, fn, *args, timeout: float = DEFAULT_JOB_TIMEOUT_S, fresh_after: bool = False, **overrides
+) -> list:
     """Run `fn(ctx, *args)` on `ws` ranks; returns the per-rank results.
 
     `overrides` set CommContext attributes for this job only (debug=True, timeout_s=2, ...).

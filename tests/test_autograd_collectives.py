@@ -33,19 +33,45 @@ def _case(name: str, p: int, n: int):
     if name == "copy_to":
         return (lambda r: (2, n, 3)), True, (lambda xs, s: xs[0] * 1), False, lambda x, g: comm.copy_to(x, g)
     if name == "reduce_from":
-        return (lambda r: (2, n, 3)), False, (lambda xs, s: sum(xs)), True, lambda x, g: comm.reduce_from(x, g)
+        return (
+            (lambda r: (2, n, 3)),
+            False,
+            (lambda xs, s: sum(xs)),
+            True,
+            lambda x, g: comm.reduce_from(x, g),
+        )
     if name == "split_to":
-        return (lambda r: (2, n, 3)), True, (lambda xs, s: chunk(xs[0], p, s, d)), False, \
-            lambda x, g: comm.split_to(x, g, d)
+        return (
+            (lambda r: (2, n, 3)),
+            True,
+            (lambda xs, s: chunk(xs[0], p, s, d)),
+            False,
+            lambda x, g: comm.split_to(x, g, d),
+        )
     if name == "gather_from":
-        return (lambda r: (2, sizes[r], 3)), False, (lambda xs, s: torch.cat(xs, d)), True, \
-            lambda x, g: comm.gather_from(x, g, d, sizes=sizes)
+        return (
+            (lambda r: (2, sizes[r], 3)),
+            False,
+            (lambda xs, s: torch.cat(xs, d)),
+            True,
+            lambda x, g: comm.gather_from(x, g, d, sizes=sizes),
+        )
     if name == "gather_sp":
-        return (lambda r: (2, sizes[r], 3)), False, (lambda xs, s: torch.cat(xs, d)), False, \
-            lambda x, g: comm.gather_sp(x, g, d, sizes=sizes)
+        return (
+            (lambda r: (2, sizes[r], 3)),
+            False,
+            (lambda xs, s: torch.cat(xs, d)),
+            False,
+            lambda x, g: comm.gather_sp(x, g, d, sizes=sizes),
+        )
     if name == "reduce_scatter_sp":
-        return (lambda r: (2, n, 3)), False, (lambda xs, s: chunk(sum(xs), p, s, d)), False, \
-            lambda x, g: comm.reduce_scatter_sp(x, g, d)
+        return (
+            (lambda r: (2, n, 3)),
+            False,
+            (lambda xs, s: chunk(sum(xs), p, s, d)),
+            False,
+            lambda x, g: comm.reduce_scatter_sp(x, g, d),
+        )
     raise KeyError(name)
 
 

@@ -9,7 +9,18 @@ import sys
 
 import pytest
 
-KEYS = {"op", "algo", "bytes", "count", "dtype", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "raw_busbw_gbps"}
+KEYS = {
+    "op",
+    "algo",
+    "bytes",
+    "count",
+    "dtype",
+    "time_us",
+    "algbw_gbps",
+    "busbw_gbps",
+    "wrong",
+    "raw_busbw_gbps",
+}
 
 
 def _env(tmp_path):
@@ -21,19 +32,52 @@ def _env(tmp_path):
 
 
 def _run(args, tmp_path, timeout=240):
-    return subprocess.run(args, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return subprocess.run(
+        args, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout, cwd=tmp_path
+    )
 
 
 def test_bench_comm_spawned_checks_plots_and_fits(tmp_path):
-    out = _run([sys.executable, "-m", "meshspeed", "bench", "comm", "--nproc", "3", "--ops",
-                "all_reduce,all_gather,reduce_scatter,broadcast,all_to_all", "--min-bytes", "1K", "--max-bytes", "4K",
-                "--iters", "8", "--warmup", "1", "--algo", "all", "--check", "--json", "rows.json", "--plot", "bw.png"],
-               tmp_path)
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "meshspeed",
+            "bench",
+            "comm",
+            "--nproc",
+            "3",
+            "--ops",
+            "all_reduce,all_gather,reduce_scatter,broadcast,all_to_all",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "4K",
+            "--iters",
+            "8",
+            "--warmup",
+            "1",
+            "--algo",
+            "all",
+            "--check",
+            "--json",
+            "rows.json",
+            "--plot",
+            "bw.png",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.load(open(tmp_path / "rows.json"))
     assert rows and all(KEYS <= r.keys() for r in rows)
     assert all(r["wrong"] == 0 for r in rows)
-    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
+    assert {r["op"] for r in rows} == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "all_to_all",
+    }
     # every applicable algorithm ran beside the default path, each with the raw call's busbw
     assert {r["algo"] for r in rows if r["op"] == "all_reduce"} == {"auto", "native", "ring", "hd"}
     assert {r["algo"] for r in rows if r["op"] == "reduce_scatter"} == {"auto", "native", "ring", "bruck"}
@@ -49,24 +93,53 @@ def test_bench_comm_spawned_checks_plots_and_fits(tmp_path):
 def test_bench_comm_under_torchrun(tmp_path):
     from meshspeed.comm.launch import free_port
 
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                "-m", "meshspeed", "bench", "comm", "--ops", "all_gather,reduce_scatter", "--min-bytes", "2K",
-                "--max-bytes", "2K", "--iters", "8", "--warmup", "1", "--check", "--json", "rows.json", "--no-save"],
-               tmp_path)
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "meshspeed",
+            "bench",
+            "comm",
+            "--ops",
+            "all_gather,reduce_scatter",
+            "--min-bytes",
+            "2K",
+            "--max-bytes",
+            "2K",
+            "--iters",
+            "8",
+            "--warmup",
+            "1",
+            "--check",
+            "--json",
+            "rows.json",
+            "--no-save",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.load(open(tmp_path / "rows.json"))
     assert len(rows) == 2 and all(r["wrong"] == 0 for r in rows)
     assert not (tmp_path / "link_params.json").exists()  # --no-save
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--ops", "gather"], "--ops 'gather': unknown gather; valid: all_reduce, all_gather"),
-    (["--algo", "tree"], "--algo 'tree': unknown tree; valid: auto, all,"),
-    (["--min-bytes", "8M", "--max-bytes", "1K"], "--min-bytes 8M is larger than --max-bytes 1K"),
-    (["--min-bytes", "lots"], "size 'lots' is not a size"),
-    (["--nproc", "1"], "--nproc 1: bench comm needs at least 2 ranks"),
-    (["--dtype", "float8"], "--dtype 'float8' is not supported"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--ops", "gather"], "--ops 'gather': unknown gather; valid: all_reduce, all_gather"),
+        (["--algo", "tree"], "--algo 'tree': unknown tree; valid: auto, all,"),
+        (["--min-bytes", "8M", "--max-bytes", "1K"], "--min-bytes 8M is larger than --max-bytes 1K"),
+        (["--min-bytes", "lots"], "size 'lots' is not a size"),
+        (["--nproc", "1"], "--nproc 1: bench comm needs at least 2 ranks"),
+        (["--dtype", "float8"], "--dtype 'float8' is not supported"),
+    ],
+)
 def test_bench_comm_bad_input_is_one_clear_line(tmp_path, args, needle):
     out = _run([sys.executable, "-m", "meshspeed", "bench", "comm"] + args, tmp_path, timeout=60)
     assert out.returncode == 2
@@ -76,10 +149,28 @@ def test_bench_comm_bad_input_is_one_clear_line(tmp_path, args, needle):
 
 def test_help_texts():
     for args in (["--help"], ["bench", "comm", "--help"]):
-        out = subprocess.run([sys.executable, "-m", "meshspeed"] + args, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "meshspeed"] + args, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0 and "usage: meshspeed" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "meshspeed", "bench", "comm", "--help"], capture_output=True,
-                         text=True, timeout=60)
-    for flag in ("--ops", "--min-bytes", "--max-bytes", "--factor", "--dtype", "--warmup", "--iters", "--algo",
-                 "--check", "--nproc", "--json", "--plot"):
+    out = subprocess.run(
+        [sys.executable, "-m", "meshspeed", "bench", "comm", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    for flag in (
+        "--ops",
+        "--min-bytes",
+        "--max-bytes",
+        "--factor",
+        "--dtype",
+        "--warmup",
+        "--iters",
+        "--algo",
+        "--check",
+        "--nproc",
+        "--json",
+        "--plot",
+    ):
         assert flag in out.stdout

@@ -62,8 +62,13 @@ def job_all_reduce(ctx, async_op: bool):
                     res = res.wait() if async_op else res
                     if res is not t:
                         fails.append(f"all_reduce {algo} did not work in place")
-                    _cmp(t, want if op == "avg" else want.to(dtype), f"{op} {dtype} n={numel} {algo}", fails,
-                         exact=op != "avg")
+                    _cmp(
+                        t,
+                        want if op == "avg" else want.to(dtype),
+                        f"{op} {dtype} n={numel} {algo}",
+                        fails,
+                        exact=op != "avg",
+                    )
     return fails
 
 
@@ -79,8 +84,9 @@ def job_all_gather(ctx, async_op: bool):
         sizes = [r + 1 for r in range(g.size)]
         want = torch.cat([inp(r, [sizes[r], 3], dtype) for r in range(g.size)], 0)
         for algo in ("ring", "bruck", None):
-            h = comm.all_gather(inp(ctx.rank, [sizes[ctx.rank], 3], dtype), g, 0, sizes=sizes,
-                                async_op=async_op, algo=algo)
+            h = comm.all_gather(
+                inp(ctx.rank, [sizes[ctx.rank], 3], dtype), g, 0, sizes=sizes, async_op=async_op, algo=algo
+            )
             _cmp(h.wait() if async_op else h, want, f"uneven {dtype} {algo}", fails)
     return fails
 
@@ -91,16 +97,30 @@ def job_reduce_scatter(ctx, async_op: bool):
         for op in ("sum", "max", "avg"):
             if op == "avg" and not dtype.is_floating_point:
                 continue
-            for shape, dim in (([p * 3, 4], 0), ([7, 4], 0), ([5], 0), ([2, p * 2], 1), ([3, 7], 1), ([1], 0)):
+            for shape, dim in (
+                ([p * 3, 4], 0),
+                ([7, 4], 0),
+                ([5], 0),
+                ([2, p * 2], 1),
+                ([3, 7], 1),
+                ([1], 0),
+            ):
                 full = _ref_reduce([inp(r, shape, dtype) for r in range(p)], op)
                 offs = bounds(shape[dim], p)
                 want = full.narrow(dim, offs[g.rank], offs[g.rank + 1] - offs[g.rank])
                 uneven = shape[dim] % p != 0
                 for algo in comm.cost_model.candidates("reduce_scatter", g.nodes, uneven) + [None]:
-                    h = comm.reduce_scatter(inp(ctx.rank, shape, dtype), g, op, dim, async_op=async_op, algo=algo)
+                    h = comm.reduce_scatter(
+                        inp(ctx.rank, shape, dtype), g, op, dim, async_op=async_op, algo=algo
+                    )
                     got = h.wait() if async_op else h
-                    _cmp(got, want if op == "avg" else want.to(dtype), f"{op} {dtype} {shape} dim={dim} {algo}",
-                         fails, exact=op != "avg")
+                    _cmp(
+                        got,
+                        want if op == "avg" else want.to(dtype),
+                        f"{op} {dtype} {shape} dim={dim} {algo}",
+                        fails,
+                        exact=op != "avg",
+                    )
     return fails
 
 
@@ -147,13 +167,19 @@ def job_p2p_and_barrier(ctx, _async_op: bool):
     for dtype in DTYPES:
         # ring pass with one batched exchange, then a plain send/recv pair between 0 and p-1
         out = torch.empty(5, dtype=dtype)
-        comm.batch([comm.P2P("send", inp(me, [5], dtype), (me + 1) % p),
-                    comm.P2P("recv", out, (me - 1) % p)], g).wait()
+        comm.batch(
+            [comm.P2P("send", inp(me, [5], dtype), (me + 1) % p), comm.P2P("recv", out, (me - 1) % p)], g
+        ).wait()
         _cmp(out, inp((me - 1) % p, [5], dtype), f"batch ring {dtype}", fails)
         if me == 0:
             comm.send(inp(0, [3], dtype, salt=3), g, p - 1, tag=5)
         elif me == p - 1:
-            _cmp(comm.recv(torch.empty(3, dtype=dtype), g, 0, tag=5), inp(0, [3], dtype, salt=3), "send/recv", fails)
+            _cmp(
+                comm.recv(torch.empty(3, dtype=dtype), g, 0, tag=5),
+                inp(0, [3], dtype, salt=3),
+                "send/recv",
+                fails,
+            )
     comm.barrier(g)
     return fails
 
@@ -168,13 +194,25 @@ def job_concurrent_async(ctx, _):
     c = comm.reduce_scatter(inp(ctx.rank, [g.size * 5], torch.float32, salt=2), g, algo="bruck")
     ha.wait(), hb.wait()
     _cmp(a, _ref_reduce([inp(r, [300], torch.float32) for r in range(g.size)], "sum"), "ring async", fails)
-    _cmp(b, _ref_reduce([inp(r, [301], torch.float32, salt=1) for r in range(g.size)], "sum"), "hd async", fails)
+    _cmp(
+        b,
+        _ref_reduce([inp(r, [301], torch.float32, salt=1) for r in range(g.size)], "sum"),
+        "hd async",
+        fails,
+    )
     full = _ref_reduce([inp(r, [g.size * 5], torch.float32, salt=2) for r in range(g.size)], "sum")
     _cmp(c, full.chunk(g.size)[g.rank], "bruck sync meanwhile", fails)
     return fails
 
 
-JOBS = [job_all_reduce, job_all_gather, job_reduce_scatter, job_broadcast, job_all_to_all, job_p2p_and_barrier]
+JOBS = [
+    job_all_reduce,
+    job_all_gather,
+    job_reduce_scatter,
+    job_broadcast,
+    job_all_to_all,
+    job_p2p_and_barrier,
+]
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
@@ -205,8 +243,12 @@ def job_hier(ctx, _):
                 h = comm.all_reduce(t, g, "sum", algo="hier", async_op=async_op)
                 if async_op:
                     h.wait()
-                _cmp(t, _ref_reduce([inp(r, [numel], dtype) for r in range(4)], "sum").to(dtype),
-                     f"hier {dtype} {numel}", fails)
+                _cmp(
+                    t,
+                    _ref_reduce([inp(r, [numel], dtype) for r in range(4)], "sum").to(dtype),
+                    f"hier {dtype} {numel}",
+                    fails,
+                )
     if "hier" not in comm.cost_model.candidates("all_reduce", g.nodes, False):
         fails.append("hier not offered on a 2x2 layout")
     return fails

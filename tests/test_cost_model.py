@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from meshspeed.comm import ConfigError, cost_model as cm
+from meshspeed.comm import ConfigError
+from meshspeed.comm import cost_model as cm
 
 ONE_NODE4 = [0, 0, 0, 0]
 
@@ -20,7 +21,9 @@ def test_halving_doubling_any_world_size():
     t8 = cm.terms("all_reduce", "hd", 8, 800.0, [0] * 8, "gloo")
     assert t8["p2p.intra.alpha"] == 2 * 3 and t8["p2p.intra.beta"] == pytest.approx(2 * 7 / 8 * 800)
     t6 = cm.terms("all_reduce", "hd", 6, 800.0, [0] * 6, "gloo")  # p2 = 4, r = 2: pre/post steps
-    assert t6["p2p.intra.alpha"] == 2 * 2 + 2 and t6["p2p.intra.beta"] == pytest.approx(2 * 3 / 4 * 800 + 2 * 800)
+    assert t6["p2p.intra.alpha"] == 2 * 2 + 2 and t6["p2p.intra.beta"] == pytest.approx(
+        2 * 3 / 4 * 800 + 2 * 800
+    )
 
 
 def test_hierarchical_uses_both_link_classes():
@@ -29,14 +32,23 @@ def test_hierarchical_uses_both_link_classes():
     assert t["p2p.intra.alpha"] == 2 * 3 and t["p2p.inter.alpha"] == 2 * 1
     assert t["p2p.inter.beta"] == pytest.approx(2 * 1 / 2 * 800 / 4)  # only 1/k of the data crosses nodes
     assert cm.terms("all_reduce", "ring", 8, 800.0, nodes, "nccl").keys() == {
-        "p2p.inter.alpha", "p2p.inter.beta", "p2p.inter.gamma"}  # a flat ring runs at the slow link's speed
+        "p2p.inter.alpha",
+        "p2p.inter.beta",
+        "p2p.inter.gamma",
+    }  # a flat ring runs at the slow link's speed
 
 
 def test_bruck_has_log_latency_and_ring_linear():
-    assert cm.terms("all_gather", "bruck", 5, 500.0, [0] * 5, "gloo")["p2p.intra.alpha"] == math.ceil(math.log2(5))
+    assert cm.terms("all_gather", "bruck", 5, 500.0, [0] * 5, "gloo")["p2p.intra.alpha"] == math.ceil(
+        math.log2(5)
+    )
     assert cm.terms("all_gather", "ring", 5, 500.0, [0] * 5, "gloo")["p2p.intra.alpha"] == 4
-    assert "p2p.intra.gamma" not in cm.terms("all_gather", "ring", 5, 500.0, [0] * 5, "gloo")  # writes in place
-    assert cm.terms("all_gather", "bruck", 5, 500.0, [0] * 5, "gloo")["p2p.intra.gamma"] == 500.0  # rotation copy
+    assert "p2p.intra.gamma" not in cm.terms(
+        "all_gather", "ring", 5, 500.0, [0] * 5, "gloo"
+    )  # writes in place
+    assert (
+        cm.terms("all_gather", "bruck", 5, 500.0, [0] * 5, "gloo")["p2p.intra.gamma"] == 500.0
+    )  # rotation copy
     assert cm.terms("reduce_scatter", "bruck", 5, 500.0, [0] * 5, "gloo")["p2p.intra.gamma"] == 800.0
 
 
@@ -64,8 +76,11 @@ def test_fit_recovers_the_parameters_that_generated_the_rows():
     truth.values["p2p.intra"] = (70e-6, 1 / 1.7e9, 1 / 3.1e9)
     truth.values["native.intra"] = (25e-6, 1 / 2.2e9, 1 / 4.4e9)
     rows = []
-    for op, algos in (("all_reduce", ["native", "ring", "hd"]), ("all_gather", ["native", "ring", "bruck"]),
-                      ("reduce_scatter", ["native", "ring", "bruck"])):
+    for op, algos in (
+        ("all_reduce", ["native", "ring", "hd"]),
+        ("all_gather", ["native", "ring", "bruck"]),
+        ("reduce_scatter", ["native", "ring", "bruck"]),
+    ):
         for algo in algos:
             for nbytes in (1 << 10, 1 << 14, 1 << 18, 1 << 22):
                 t = cm.predict(op, algo, nbytes, ONE_NODE4, "gloo", truth)
@@ -75,10 +90,13 @@ def test_fit_recovers_the_parameters_that_generated_the_rows():
         assert got == pytest.approx(want, rel=1e-6)
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         # per op, β and γ are inseparable: α is recovered exactly, β absorbs γ
-        assert fitted.values[f"native:{op}.intra"][0] == pytest.approx(truth.values["native.intra"][0], rel=1e-6)
+        assert fitted.values[f"native:{op}.intra"][0] == pytest.approx(
+            truth.values["native.intra"][0], rel=1e-6
+        )
         for nbytes in (1 << 12, 1 << 24):
             assert cm.predict(op, "native", nbytes, ONE_NODE4, "gloo", fitted) == pytest.approx(
-                cm.predict(op, "native", nbytes, ONE_NODE4, "gloo", truth), rel=1e-6)
+                cm.predict(op, "native", nbytes, ONE_NODE4, "gloo", truth), rel=1e-6
+            )
     assert all(v["median_rel_err"] < 1e-9 for v in fitted.fitted.values())
     # a per-op native fit overrides the family's values in predictions
     fitted.values["native:all_reduce.intra"] = (1.0, 0.0, 0.0)
@@ -98,20 +116,26 @@ def test_save_and_load_round_trip(tmp_path, monkeypatch):
     assert cm.load("gloo").source.startswith("built-in")
 
 
-@pytest.mark.parametrize("text,want", [
-    ("ring", {"*": "ring"}),
-    ("all_reduce=hd, all_gather=bruck", {"all_reduce": "hd", "all_gather": "bruck"}),
-    ("", {}),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("ring", {"*": "ring"}),
+        ("all_reduce=hd, all_gather=bruck", {"all_reduce": "hd", "all_gather": "bruck"}),
+        ("", {}),
+    ],
+)
 def test_algo_env_parsing(text, want):
     assert cm.parse_algo_env(text) == want
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("all_reduce=bruck", "unknown algorithm 'bruck' for all_reduce; valid: hd, hier, native, ring"),
-    ("gather=ring", "unknown op 'gather'"),
-    ("tree", "unknown algorithm 'tree'"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("all_reduce=bruck", "unknown algorithm 'bruck' for all_reduce; valid: hd, hier, native, ring"),
+        ("gather=ring", "unknown op 'gather'"),
+        ("tree", "unknown algorithm 'tree'"),
+    ],
+)
 def test_algo_env_errors(text, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         cm.parse_algo_env(text)

@@ -31,8 +31,11 @@ def job_planted_desync(ctx):
 def test_planted_desync_names_the_odd_rank_on_every_rank():
     results = harness.run(4, job_planted_desync, debug=True, timeout_s=10)
     for msg, elapsed in results:
-        assert re.search(r"rank 2 called all_gather\(\[4, 8\] bf16\) at seq \d+ where ranks 0,1,3 called "
-                         r"all_reduce\(\[4, 8\] bf16\)", msg), msg
+        assert re.search(
+            r"rank 2 called all_gather\(\[4, 8\] bf16\) at seq \d+ where ranks 0,1,3 called "
+            r"all_reduce\(\[4, 8\] bf16\)",
+            msg,
+        ), msg
         assert elapsed < 5, f"desync took {elapsed:.1f}s to detect"
     assert len({m for m, _ in results}) == 1  # every rank reports the same thing
 
@@ -57,8 +60,11 @@ def job_desync_in_details(ctx):
 
 def test_desync_in_reduce_op_and_all_to_all_splits():
     for msgs in harness.run(3, job_desync_in_details, debug=True, timeout_s=10):
-        assert re.search(r"rank 1 called all_reduce\(\[2\] fp32 op=max\) at seq \d+ where ranks 0,2 called "
-                         r"all_reduce\(\[2\] fp32 op=sum\)", msgs[0]), msgs
+        assert re.search(
+            r"rank 1 called all_reduce\(\[2\] fp32 op=max\) at seq \d+ where ranks 0,2 called "
+            r"all_reduce\(\[2\] fp32 op=sum\)",
+            msgs[0],
+        ), msgs
         assert "rank 1 sends 1 rows to rank 0" in msgs[1] and "rank 0 expects 2" in msgs[1], msgs
 
 

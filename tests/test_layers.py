@@ -16,7 +16,18 @@ ROOT = pathlib.Path(meshspeed.__file__).parent
 
 # package -> meshspeed packages it must never import (docs/design.md, "Layering")
 FORBIDDEN = {
-    "comm": {"kernels", "parallel", "memory", "sparse", "models", "train", "infer", "plan", "commands", "bench"},
+    "comm": {
+        "kernels",
+        "parallel",
+        "memory",
+        "sparse",
+        "models",
+        "train",
+        "infer",
+        "plan",
+        "commands",
+        "bench",
+    },
     "kernels": {"parallel", "memory", "sparse", "models", "train", "infer", "plan", "commands", "bench"},
     "parallel": {"models", "train", "infer", "plan", "commands", "bench"},
     "memory": {"models", "train", "infer", "plan", "commands", "bench"},
@@ -92,8 +103,10 @@ def test_no_import_cycles():
     _, graph = _graph()
     # a package's __init__ re-exporting its own modules is not a cycle of the code, so edges
     # into a package __init__ from inside that same package are dropped
-    edges = {m: sorted({t for t, _, _ in imps if t != m and not (m.startswith(t + ".") and t in graph)})
-             for m, imps in graph.items()}
+    edges = {
+        m: sorted({t for t, _, _ in imps if t != m and not (m.startswith(t + ".") and t in graph)})
+        for m, imps in graph.items()
+    }
     cycles, state, stack = [], {}, []
 
     def visit(m):
@@ -103,7 +116,7 @@ def test_no_import_cycles():
             if t not in edges:
                 continue
             if state.get(t) == 1:
-                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+                cycles.append(" -> ".join(stack[stack.index(t) :] + [t]))
             elif t not in state:
                 visit(t)
         stack.pop()
@@ -117,7 +130,11 @@ def test_no_import_cycles():
 
 def test_no_private_names_imported_across_modules():
     _, graph = _graph()
-    bad = [f"{mod}:{line} imports {n} from {target}"
-           for mod, imps in graph.items() for target, names, line in imps
-           for n in names if n.startswith("_") and not n.startswith("__")]
+    bad = [
+        f"{mod}:{line} imports {n} from {target}"
+        for mod, imps in graph.items()
+        for target, names, line in imps
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
     assert not bad, "\n".join(bad)

@@ -14,12 +14,15 @@ from meshspeed.comm import ConfigError, ParallelDims
 from tests import harness
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"tp": 0}, "parallel.tp=0 must be an integer ≥ 1"),
-    ({"dp": 2.0}, "parallel.dp=2.0 must be an integer ≥ 1"),
-    ({"dp": 2, "ep": 3}, "parallel.ep=3 must divide dp×cp = 2"),
-    ({"dp": 2, "cp": 3, "ep": 4}, "valid: 1, 2, 3, 6"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"tp": 0}, "parallel.tp=0 must be an integer ≥ 1"),
+        ({"dp": 2.0}, "parallel.dp=2.0 must be an integer ≥ 1"),
+        ({"dp": 2, "ep": 3}, "parallel.ep=3 must divide dp×cp = 2"),
+        ({"dp": 2, "cp": 3, "ep": 4}, "valid: 1, 2, 3, 6"),
+    ],
+)
 def test_invalid_degrees_fail_with_one_line(kwargs, needle):
     with pytest.raises(ConfigError) as err:
         ParallelDims(**kwargs)
@@ -27,7 +30,9 @@ def test_invalid_degrees_fail_with_one_line(kwargs, needle):
 
 
 def test_world_size_mismatch_suggests_a_fix():
-    with pytest.raises(ConfigError, match=r"dp=2 × pp=1 × cp=1 × tp=3 = 6 ranks, but the world size is 4.*dp=4"):
+    with pytest.raises(
+        ConfigError, match=r"dp=2 × pp=1 × cp=1 × tp=3 = 6 ranks, but the world size is 4.*dp=4"
+    ):
         ParallelDims(dp=2, tp=3).check_world(4)
     with pytest.raises(ConfigError, match=r"e.g. dp=2 with the other degrees"):
         ParallelDims(dp=1, tp=2).check_world(4)
@@ -70,13 +75,16 @@ def job_mesh(ctx, kwargs):
     return out
 
 
-@pytest.mark.parametrize("ws,kwargs", [
-    (4, {"dp": 2, "tp": 2}),
-    (4, {"pp": 2, "dp": 2, "ep": 2}),
-    (4, {"cp": 2, "tp": 2}),
-    (3, {"dp": 3, "ep": 3}),
-    (2, {"pp": 2}),
-])
+@pytest.mark.parametrize(
+    "ws,kwargs",
+    [
+        (4, {"dp": 2, "tp": 2}),
+        (4, {"pp": 2, "dp": 2, "ep": 2}),
+        (4, {"cp": 2, "tp": 2}),
+        (3, {"dp": 3, "ep": 3}),
+        (2, {"pp": 2}),
+    ],
+)
 def test_mesh_groups_hold_the_right_ranks(ws, kwargs):
     dims = ParallelDims(**kwargs)
     parts = dims.partitions()
@@ -98,7 +106,12 @@ def job_two_node_topology(ctx):
 
 def test_intra_and_inter_node_groups_follow_ranks_per_node():
     results = harness.run(4, job_two_node_topology, ranks_per_node=2, _meshes={})
-    assert [r[:2] for r in results] == [[[0, 1], [0, 2]], [[0, 1], [1, 3]], [[2, 3], [0, 2]], [[2, 3], [1, 3]]]
+    assert [r[:2] for r in results] == [
+        [[0, 1], [0, 2]],
+        [[0, 1], [1, 3]],
+        [[2, 3], [0, 2]],
+        [[2, 3], [1, 3]],
+    ]
 
 
 def test_single_process_needs_no_process_group():
@@ -116,7 +129,9 @@ def test_single_process_needs_no_process_group():
         "assert not dist.is_initialized() and mesh.device_mesh is None and mesh.coords['tp'] == 0\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
 
@@ -129,6 +144,13 @@ def test_world_mismatch_at_build_time_is_one_line():
         "except comm.ConfigError as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"})
-    assert out.stdout.strip().startswith("parallel degrees dp=1 × pp=1 × cp=1 × tp=2 = 2 ranks, but the world size is 1")
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"},
+    )
+    assert out.stdout.strip().startswith(
+        "parallel degrees dp=1 × pp=1 × cp=1 × tp=2 = 2 ranks, but the world size is 1"
+    )

@@ -7,8 +7,18 @@ import pytest
 import torch
 
 from meshspeed import comm
-from meshspeed.comm.placement import (Partial, Replicate, Shard, Sharding, assemble, chunk_bounds, full_tensor,
-                                      local_piece, shard_tensor, sharding_of)
+from meshspeed.comm.placement import (
+    Partial,
+    Replicate,
+    Shard,
+    Sharding,
+    assemble,
+    chunk_bounds,
+    full_tensor,
+    local_piece,
+    shard_tensor,
+    sharding_of,
+)
 from tests import harness
 
 

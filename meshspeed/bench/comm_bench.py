@@ -5,7 +5,8 @@ and the raw torch.distributed call. As in nccl-tests, a round launches a burst o
 back to back and waits for them all; rounds alternate between the paths (ABBA order) so that
 machine noise hits all of them alike. Time per row is the 20%-trimmed mean over rounds of the
 burst's time per call (robust to outlier rounds, yet close to the mean's efficiency), counted
-from when the last rank started it (see _span). (Single blocking calls vary by ±35% on a 2-core machine running 4
+from when the last rank started it (see _span). \
+(Single blocking calls vary by ±35% on a 2-core machine running 4
 ranks; bursts bring that to a few percent.) Bandwidths follow
 nccl-tests: algbw = bytes / time, busbw = algbw × the op's bus factor (all_reduce 2(p-1)/p,
 all_gather / reduce_scatter / all_to_all (p-1)/p, broadcast 1), so busbw is comparable
@@ -28,8 +29,15 @@ from meshspeed.comm import cost_model
 from meshspeed.comm.raw import raw_call
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "int64": torch.int64}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "int64": torch.int64,
+}
 REDUCING = ("all_reduce", "reduce_scatter")
 
 
@@ -45,7 +53,9 @@ def parse_size(text: str) -> int:
     try:
         value = int(float(num) * mult)
     except ValueError:
-        raise comm.ConfigError(f"size {text!r} is not a size; use bytes or a K/M/G suffix, e.g. 1K, 8M") from None
+        raise comm.ConfigError(
+            f"size {text!r} is not a size; use bytes or a K/M/G suffix, e.g. 1K, 8M"
+        ) from None
     if value < 1:
         raise comm.ConfigError(f"size {text!r} must be at least 1 byte")
     return value
@@ -85,7 +95,9 @@ def _inputs(op: str, nbytes: int, dtype: torch.dtype, p: int, rank: int):
     per_rank = count // p
     n_in = per_rank if op == "all_gather" else count
     x = ((torch.arange(n_in) % 7) + rank + 1).to(dtype)
-    out = torch.empty(count if op == "all_gather" else per_rank if op == "reduce_scatter" else count, dtype=dtype)
+    out = torch.empty(
+        count if op == "all_gather" else per_rank if op == "reduce_scatter" else count, dtype=dtype
+    )
     return x, out, count
 
 
@@ -95,13 +107,13 @@ def _expected(op: str, count: int, dtype: torch.dtype, p: int, rank: int, redop:
     if op == "all_reduce" or op == "reduce_scatter":
         stack = torch.stack([(base + r + 1).double() for r in range(p)])
         full = {"sum": stack.sum(0), "avg": stack.mean(0), "max": stack.amax(0), "min": stack.amin(0)}[redop]
-        return full if op == "all_reduce" else full[rank * per:(rank + 1) * per]
+        return full if op == "all_reduce" else full[rank * per : (rank + 1) * per]
     if op == "all_gather":
         return torch.cat([(torch.arange(per) % 7 + r + 1).double() for r in range(p)])
     if op == "broadcast":
         return (base + 1).double()
     # all_to_all: block j of rank r goes to rank j
-    return torch.cat([(base[rank * per:(rank + 1) * per] + r + 1).double() for r in range(p)])
+    return torch.cat([(base[rank * per : (rank + 1) * per] + r + 1).double() for r in range(p)])
 
 
 def _meshspeed_call(op: str, algo: str, group, x, out, redop: str, async_op: bool = False):
@@ -145,7 +157,7 @@ def _count_wrong(op, algo, world, nbytes, dtype, redop) -> int:
 def trimmed_mean(xs: list[float], cut: float = 0.2) -> float:
     xs = sorted(xs)
     k = int(len(xs) * cut)
-    kept = xs[k:len(xs) - k] or xs
+    kept = xs[k : len(xs) - k] or xs
     return sum(kept) / len(kept)
 
 
@@ -167,13 +179,16 @@ def measure(cfg: BenchConfig, ctx, progress) -> list[dict]:
         calls = {}
         for algo in algos:
             x, out, count = _inputs(op, nbytes, dtype, p, world.rank)
-            calls[algo] = (raw_call(op, world, x, out, cfg.redop, async_op=True) if algo == "raw"
-                           else _meshspeed_call(op, algo, world, x, out, cfg.redop, async_op=True))
+            calls[algo] = (
+                raw_call(op, world, x, out, cfg.redop, async_op=True)
+                if algo == "raw"
+                else _meshspeed_call(op, algo, world, x, out, cfg.redop, async_op=True)
+            )
             for _ in range(cfg.warmup):
                 calls[algo]().wait()
         times: dict[str, list[float]] = {a: [] for a in algos}
         for r in range(rounds):
-            for algo in (algos if r % 2 == 0 else algos[::-1]):
+            for algo in algos if r % 2 == 0 else algos[::-1]:
                 comm.barrier(world)
                 t0 = time.perf_counter()
                 handles = [calls[algo]() for _ in range(burst)]
@@ -185,15 +200,28 @@ def measure(cfg: BenchConfig, ctx, progress) -> list[dict]:
         for algo in algos[1:]:
             t = trimmed_mean(times[algo])
             bytes_ = count * esize
-            resolved = comm.select_algo(world, op, bytes_, None) if algo == "auto" and op != "broadcast" else (
-                "native" if algo == "auto" else algo)
-            rows.append({
-                "op": op, "algo": algo, "resolved": resolved, "bytes": bytes_, "count": count, "dtype": cfg.dtype,
-                "redop": redop, "time_us": t * 1e6, "algbw_gbps": bytes_ / t / 1e9,
-                "busbw_gbps": bytes_ / t / 1e9 * bus_factor(op, p),
-                "raw_busbw_gbps": bytes_ / raw_t / 1e9 * bus_factor(op, p), "raw_time_us": raw_t * 1e6,
-                "wrong": _count_wrong(op, algo, world, nbytes, dtype, cfg.redop) if cfg.check else 0,
-            })
+            resolved = (
+                comm.select_algo(world, op, bytes_, None)
+                if algo == "auto" and op != "broadcast"
+                else ("native" if algo == "auto" else algo)
+            )
+            rows.append(
+                {
+                    "op": op,
+                    "algo": algo,
+                    "resolved": resolved,
+                    "bytes": bytes_,
+                    "count": count,
+                    "dtype": cfg.dtype,
+                    "redop": redop,
+                    "time_us": t * 1e6,
+                    "algbw_gbps": bytes_ / t / 1e9,
+                    "busbw_gbps": bytes_ / t / 1e9 * bus_factor(op, p),
+                    "raw_busbw_gbps": bytes_ / raw_t / 1e9 * bus_factor(op, p),
+                    "raw_time_us": raw_t * 1e6,
+                    "wrong": _count_wrong(op, algo, world, nbytes, dtype, cfg.redop) if cfg.check else 0,
+                }
+            )
     progress(len(plan), len(plan), "", 0)
     return rows
 
@@ -202,13 +230,20 @@ def fit_and_predict(rows: list[dict], ctx) -> cost_model.LinkParams:
     """Fit α-β-γ to the rows (auto rows count as the algorithm they resolved to, raw rows as
     "native") and annotate each row with the fitted model's prediction."""
     nodes = ctx.world.nodes
-    fit_rows = [{"op": r["op"], "algo": r["resolved"], "bytes": r["bytes"], "time_us": r["time_us"]} for r in rows]
-    fit_rows += [{"op": r["op"], "algo": "native", "bytes": r["bytes"], "time_us": r["raw_time_us"]}
-                 for r in rows if r["algo"] == "auto"]
+    fit_rows = [
+        {"op": r["op"], "algo": r["resolved"], "bytes": r["bytes"], "time_us": r["time_us"]} for r in rows
+    ]
+    fit_rows += [
+        {"op": r["op"], "algo": "native", "bytes": r["bytes"], "time_us": r["raw_time_us"]}
+        for r in rows
+        if r["algo"] == "auto"
+    ]
     params = cost_model.fit(fit_rows, nodes, ctx.backend, ctx.link_params)
     params.source = f"meshspeed bench comm, {ctx.world_size} ranks, {time.strftime('%Y-%m-%d %H:%M')}"
     for r in rows:
-        r["predicted_us"] = cost_model.predict(r["op"], r["resolved"], r["bytes"], nodes, ctx.backend, params) * 1e6
+        r["predicted_us"] = (
+            cost_model.predict(r["op"], r["resolved"], r["bytes"], nodes, ctx.backend, params) * 1e6
+        )
     return params
 
 
@@ -220,18 +255,24 @@ def _fmt_size(n: int) -> str:
 
 
 def format_table(rows: list[dict], p: int, backend: str) -> str:
-    head = (f"# meshspeed bench comm: {p} ranks, backend {backend}; time per call = trimmed mean over rounds of 8-call bursts\n"
-            f"# {'size':>8} {'count':>10} {'type':>8} {'redop':>5} {'op':>14} {'algo':>12} {'time':>9} "
-            f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'raw busbw':>9} {'vs raw':>6} {'model':>9}\n"
-            f"# {'(B)':>8} {'(elements)':>10} {'':>8} {'':>5} {'':>14} {'':>12} {'(us)':>9} "
-            f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(GB/s)':>9} {'':>6} {'(us)':>9}")
+    head = (
+        f"# meshspeed bench comm: {p} ranks, backend {backend}; "
+        "time per call = trimmed mean over rounds of 8-call bursts\n"
+        f"# {'size':>8} {'count':>10} {'type':>8} {'redop':>5} {'op':>14} {'algo':>12} {'time':>9} "
+        f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'raw busbw':>9} {'vs raw':>6} {'model':>9}\n"
+        f"# {'(B)':>8} {'(elements)':>10} {'':>8} {'':>5} {'':>14} {'':>12} {'(us)':>9} "
+        f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(GB/s)':>9} {'':>6} {'(us)':>9}"
+    )
     lines = [head]
     for r in rows:
         algo = r["algo"] if r["algo"] != "auto" else f"auto:{r['resolved']}"
         lines.append(
-            f"  {_fmt_size(r['bytes']):>8} {r['count']:>10} {r['dtype']:>8} {r['redop']:>5} {r['op']:>14} {algo:>12} "
+            f"  {_fmt_size(r['bytes']):>8} {r['count']:>10} {r['dtype']:>8} {r['redop']:>5} {r['op']:>14} "
+            f"{algo:>12} "
             f"{r['time_us']:>9.1f} {r['algbw_gbps']:>7.3f} {r['busbw_gbps']:>7.3f} {r['wrong']:>6} "
-            f"{r['raw_busbw_gbps']:>9.3f} {r['busbw_gbps'] / r['raw_busbw_gbps']:>6.2f} {r.get('predicted_us', 0):>9.1f}")
+            f"{r['raw_busbw_gbps']:>9.3f} {r['busbw_gbps'] / r['raw_busbw_gbps']:>6.2f} "
+            f"{r.get('predicted_us', 0):>9.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -239,16 +280,21 @@ def summary(rows: list[dict]) -> str:
     """The numbers the acceptance criteria ask about, per op: the default path against raw."""
     out = ["# default path (auto) busbw / raw busbw, median over sizes >= 1 MiB:"]
     for op in dict.fromkeys(r["op"] for r in rows):
-        big = [r["busbw_gbps"] / r["raw_busbw_gbps"] for r in rows if r["op"] == op and r["algo"] == "auto"
-               and r["bytes"] >= 1 << 20]
+        big = [
+            r["busbw_gbps"] / r["raw_busbw_gbps"]
+            for r in rows
+            if r["op"] == op and r["algo"] == "auto" and r["bytes"] >= 1 << 20
+        ]
         if big:
             out.append(f"#   {op:<15} {statistics.median(big):.3f}  ({len(big)} sizes)")
     if len(out) == 1:
         out[0] += " (no rows of 1 MiB or more)"
     errs = [abs(r["predicted_us"] - r["time_us"]) / r["time_us"] for r in rows if "predicted_us" in r]
     if errs:
-        out.append(f"# cost model: median |predicted - measured| / measured = {statistics.median(errs):.1%} "
-                   f"over {len(errs)} rows")
+        out.append(
+            f"# cost model: median |predicted - measured| / measured = {statistics.median(errs):.1%} "
+            f"over {len(errs)} rows"
+        )
     wrong = sum(r["wrong"] for r in rows)
     out.append(f"# wrong elements: {wrong}")
     return "\n".join(out)
@@ -269,14 +315,29 @@ def plot(rows: list[dict], path: str, p: int) -> None:
         series.setdefault((r["op"], "raw torch"), {})[r["bytes"]] = r["raw_busbw_gbps"]
     colors = dict(zip(OPS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     # Colour = op; line style and marker = algorithm; the raw torch call is a thick dotted line.
-    styles = {"raw torch": (":", "x"), "auto": ("-", "o"), "native": ("--", "."), "ring": ("-.", "^"),
-              "hd": ((0, (5, 1)), "v"), "hier": ((0, (3, 1, 1, 1)), "D"), "bruck": ((0, (1, 2)), "s"),
-              "pairwise": ((0, (3, 3)), "p")}
+    styles = {
+        "raw torch": (":", "x"),
+        "auto": ("-", "o"),
+        "native": ("--", "."),
+        "ring": ("-.", "^"),
+        "hd": ((0, (5, 1)), "v"),
+        "hier": ((0, (3, 1, 1, 1)), "D"),
+        "bruck": ((0, (1, 2)), "s"),
+        "pairwise": ((0, (3, 3)), "p"),
+    }
     for (op, algo), points in sorted(series.items()):
         xs = sorted(points)
         ls, marker = styles.get(algo, ("-", "o"))
-        ax.plot(xs, [points[x] for x in xs], color=colors.get(op, "k"), linestyle=ls, marker=marker,
-                markersize=4, linewidth=2.5 if algo == "raw torch" else 1.3, label=f"{op} / {algo}")
+        ax.plot(
+            xs,
+            [points[x] for x in xs],
+            color=colors.get(op, "k"),
+            linestyle=ls,
+            marker=marker,
+            markersize=4,
+            linewidth=2.5 if algo == "raw torch" else 1.3,
+            label=f"{op} / {algo}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")  # small messages are latency-bound: a linear axis would flatten them to 0
     ax.set_xlabel("message size (bytes)")
@@ -293,7 +354,9 @@ def worker(cfg: BenchConfig) -> None:
     """Runs on every rank (spawned or under torchrun); rank 0 prints and writes files."""
     ctx = comm.init()
     if ctx.world_size < 2:
-        raise comm.ConfigError("bench comm needs at least 2 ranks: pass --nproc 2 or more, or launch with torchrun")
+        raise comm.ConfigError(
+            "bench comm needs at least 2 ranks: pass --nproc 2 or more, or launch with torchrun"
+        )
     lead = ctx.rank == 0
     tty = sys.stderr.isatty()
 
@@ -315,10 +378,16 @@ def worker(cfg: BenchConfig) -> None:
         for key, (a, b, c) in sorted(params.values.items()):
             fitted = key.split(".")[0] in params.fitted
             if fitted and (key.endswith("intra") or ctx.num_nodes > 1):
-                print(f"#   {key:<13} alpha={a * 1e6:8.2f} us  beta=1/{1 / b / 1e9 if b else float('inf'):7.2f} GB/s"
-                      f"  gamma=1/{1 / c / 1e9 if c else float('inf'):7.2f} GB/s")
+                print(
+                    f"#   {key:<13} alpha={a * 1e6:8.2f} us  "
+                    f"beta=1/{1 / b / 1e9 if b else float('inf'):7.2f} GB/s"
+                    f"  gamma=1/{1 / c / 1e9 if c else float('inf'):7.2f} GB/s"
+                )
         if cfg.save_params:
-            print(f"# saved to {cost_model.save(ctx.backend, params, cfg.params_path)} (used to choose algorithms)")
+            print(
+                f"# saved to {cost_model.save(ctx.backend, params, cfg.params_path)} "
+                "(used to choose algorithms)"
+            )
         if cfg.json_path:
             with open(cfg.json_path, "w") as f:
                 json.dump(rows, f, indent=1)

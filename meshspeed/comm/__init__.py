@@ -1,11 +1,12 @@
 """meshspeed.comm: the only package that calls torch.distributed.
 
-    ctx = comm.init()                         # joins the job (torchrun / meshspeed spawn) or runs alone
-    mesh = comm.ParallelDims(dp=2, tp=2).build(ctx)
-    comm.all_reduce(grad, mesh["dp"], op="avg")
-    h = comm.all_gather(x, mesh["tp"], dim=-1, async_op=True); ...; y = h.wait()
+ctx = comm.init()                         # joins the job (torchrun / meshspeed spawn) or runs alone
+mesh = comm.ParallelDims(dp=2, tp=2).build(ctx)
+comm.all_reduce(grad, mesh["dp"], op="avg")
+h = comm.all_gather(x, mesh["tp"], dim=-1, async_op=True); ...; y = h.wait()
 """
 
+from meshspeed.comm import placement
 from meshspeed.comm.autograd import (
     all_to_all_ad,
     copy_to,
@@ -32,14 +33,47 @@ from meshspeed.comm.group import Group, Handle
 from meshspeed.comm.launch import spawn
 from meshspeed.comm.mesh import Mesh, ParallelDims
 from meshspeed.comm.p2p import P2P, batch, irecv, isend, recv, send
-from meshspeed.comm import placement
 from meshspeed.comm.placement import Partial, Replicate, Shard, Sharding
 
 __all__ = [
-    "ALGOS", "REDUCE_OPS", "CollectiveTimeout", "CommContext", "CommError", "ConfigError", "DesyncError",
-    "Group", "Handle", "LinkParams", "Mesh", "P2P", "ParallelDims", "Partial", "Replicate", "Shard", "Sharding",
+    "ALGOS",
+    "REDUCE_OPS",
+    "CollectiveTimeout",
+    "CommContext",
+    "CommError",
+    "ConfigError",
+    "DesyncError",
+    "Group",
+    "Handle",
+    "LinkParams",
+    "Mesh",
+    "P2P",
+    "ParallelDims",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "Sharding",
     "placement",
-    "all_gather", "all_reduce", "all_to_all", "all_to_all_ad", "barrier", "batch", "broadcast", "copy_to",
-    "gather_from", "gather_sp", "init", "irecv", "isend", "launched", "recv", "reduce_from", "reduce_scatter",
-    "reduce_scatter_sp", "select_algo", "send", "spawn", "split_to",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_ad",
+    "barrier",
+    "batch",
+    "broadcast",
+    "copy_to",
+    "gather_from",
+    "gather_sp",
+    "init",
+    "irecv",
+    "isend",
+    "launched",
+    "recv",
+    "reduce_from",
+    "reduce_scatter",
+    "reduce_scatter_sp",
+    "select_algo",
+    "send",
+    "spawn",
+    "split_to",
 ]

@@ -24,7 +24,7 @@ def bounds(n: int, parts: int) -> list[int]:
 
 
 def chunks(x: torch.Tensor, offs: list[int]) -> list[torch.Tensor]:
-    return [x[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+    return [x[offs[i] : offs[i + 1]] for i in range(len(offs) - 1)]
 
 
 def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
@@ -40,7 +40,9 @@ def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- ring
-def ring_reduce_scatter(lane: Lane, members: list[int], me: int, parts: list[torch.Tensor], op: str) -> torch.Tensor:
+def ring_reduce_scatter(
+    lane: Lane, members: list[int], me: int, parts: list[torch.Tensor], op: str
+) -> torch.Tensor:
     """Reduce p chunks across the ring; returns the reduced chunk `me` (a new tensor).
 
     Step k sends the running sum of chunk (me-k-1) right and receives chunk (me-k-2) from the
@@ -114,9 +116,9 @@ def hd_all_reduce(lane: Lane, members: list[int], me: int, x: torch.Tensor, op: 
     while d >= 1:  # halving: keep the half of the block range our bit selects
         partner, mid = real(nr ^ d), (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if nr & d == 0 else ((mid, hi), (lo, mid))
-        kept = x[offs[keep[0]]:offs[keep[1]]]
+        kept = x[offs[keep[0]] : offs[keep[1]]]
         incoming = torch.empty_like(kept)
-        lane.exchange(x[offs[give[0]]:offs[give[1]]], partner, incoming, partner)
+        lane.exchange(x[offs[give[0]] : offs[give[1]]], partner, incoming, partner)
         reduce_into(kept, incoming, op)
         lo, hi = keep
         d //= 2
@@ -124,7 +126,7 @@ def hd_all_reduce(lane: Lane, members: list[int], me: int, x: torch.Tensor, op: 
     while d < p2:  # doubling: swap finished ranges with the partner, mirror of the halving
         partner, size = real(nr ^ d), hi - lo
         other, new = ((hi, hi + size), (lo, hi + size)) if nr & d == 0 else ((lo - size, lo), (lo - size, hi))
-        lane.exchange(x[offs[lo]:offs[hi]], partner, x[offs[other[0]]:offs[other[1]]], partner)
+        lane.exchange(x[offs[lo] : offs[hi]], partner, x[offs[other[0]] : offs[other[1]]], partner)
         lo, hi = new
         d *= 2
     if me < 2 * r:  # odd partner of a rank that sat out: give it the result
@@ -132,7 +134,9 @@ def hd_all_reduce(lane: Lane, members: list[int], me: int, x: torch.Tensor, op: 
 
 
 # ---------------------------------------------------------------------------------- hierarchical
-def hier_all_reduce(lane: Lane, members: list[int], nodes: list[int], me: int, x: torch.Tensor, op: str) -> None:
+def hier_all_reduce(
+    lane: Lane, members: list[int], nodes: list[int], me: int, x: torch.Tensor, op: str
+) -> None:
     """In place: intra-node reduce-scatter → inter-node all-reduce of my chunk → intra-node all-gather.
 
     Only 1/k of the buffer crosses the slow inter-node links (k = ranks per node), which is
@@ -162,7 +166,9 @@ def _bruck_steps(p: int) -> list[tuple[int, int]]:
     return steps
 
 
-def bruck_all_gather(lane: Lane, members: list[int], me: int, mine: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def bruck_all_gather(
+    lane: Lane, members: list[int], me: int, mine: torch.Tensor, sizes: list[int]
+) -> list[torch.Tensor]:
     """⌈log2 p⌉ steps for any p. Returns the p blocks in member order.
 
     Invariant: blocks[i] holds the block of member (me + i) % p. Step with distance d sends our
@@ -182,7 +188,9 @@ def bruck_all_gather(lane: Lane, members: list[int], me: int, mine: torch.Tensor
     return out
 
 
-def bruck_reduce_scatter(lane: Lane, members: list[int], me: int, parts: list[torch.Tensor], op: str) -> torch.Tensor:
+def bruck_reduce_scatter(
+    lane: Lane, members: list[int], me: int, parts: list[torch.Tensor], op: str
+) -> torch.Tensor:
     """The transpose of bruck_all_gather: the same steps in reverse, sending the other way and
     summing instead of copying, so every message has the all-gather's size. Returns chunk me."""
     p = len(members)
@@ -190,7 +198,7 @@ def bruck_reduce_scatter(lane: Lane, members: list[int], me: int, parts: list[to
     if p == 1:
         return acc[0].clone()
     for d, cnt in reversed(_bruck_steps(p)):
-        send = acc[d] if cnt == 1 else torch.cat(acc[d:d + cnt])
+        send = acc[d] if cnt == 1 else torch.cat(acc[d : d + cnt])
         rsizes = [acc[j].numel() for j in range(cnt)]
         recv = torch.empty(sum(rsizes), dtype=send.dtype, device=send.device)
         lane.exchange(send, members[(me + d) % p], recv, members[(me - d) % p])
@@ -201,7 +209,9 @@ def bruck_reduce_scatter(lane: Lane, members: list[int], me: int, parts: list[to
 
 
 # ------------------------------------------------------------------------------------ all-to-all
-def pairwise_all_to_all(lane: Lane, members: list[int], me: int, send: list[torch.Tensor], recv: list[torch.Tensor]) -> None:
+def pairwise_all_to_all(
+    lane: Lane, members: list[int], me: int, send: list[torch.Tensor], recv: list[torch.Tensor]
+) -> None:
     """p-1 steps; at step k send to me+k and receive from me-k, so every pair meets once."""
     p = len(members)
     recv[me].copy_(send[me])

@@ -133,7 +133,8 @@ def reduce_scatter_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tens
     return _ReduceScatterSP.apply(x, group, dim % x.dim())
 
 
-def all_to_all_ad(x: torch.Tensor, group: Group, in_splits: list[int] | None = None,
-                  out_splits: list[int] | None = None) -> torch.Tensor:
+def all_to_all_ad(
+    x: torch.Tensor, group: Group, in_splits: list[int] | None = None, out_splits: list[int] | None = None
+) -> torch.Tensor:
     """All-to-all of rows forward; the reverse all-to-all (splits swapped) backward."""
     return _AllToAll.apply(x, group, in_splits, out_splits)

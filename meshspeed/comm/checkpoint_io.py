@@ -56,8 +56,10 @@ def _dcp(what: str, fn, *args, **kwargs):
             return fn(*args, **kwargs)
     except CheckpointException as e:
         causes = "; ".join(f"rank {r}: {type(x[0]).__name__}: {x[0]}" for r, x in sorted(e.failures.items()))
-        raise CheckpointIOError(f"DCP {what} failed on rank{'s' if len(e.failures) > 1 else ''} "
-                                f"{', '.join(map(str, sorted(e.failures)))} ({causes})") from None
+        raise CheckpointIOError(
+            f"DCP {what} failed on rank{'s' if len(e.failures) > 1 else ''} "
+            f"{', '.join(map(str, sorted(e.failures)))} ({causes})"
+        ) from None
 
 
 # -- reading DCP's metadata without running code from it ------------------------------------
@@ -68,11 +70,24 @@ def _dcp(what: str, fn, *args, **kwargs):
 # matching bytes with weights_only=False, which would let a planted shard run code.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                 "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+}
 
 
 class UnsafeCheckpointError(CommError):
@@ -86,14 +101,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_CLASSES:
-            return getattr({"torch.distributed.checkpoint.metadata": dcp_md, "pathlib": pathlib,
-                            "torch.distributed.checkpoint.filesystem": dcp_fs, "torch": torch,
-                            "torch.serialization": torch.serialization}[module], name)
+            return getattr(
+                {
+                    "torch.distributed.checkpoint.metadata": dcp_md,
+                    "pathlib": pathlib,
+                    "torch.distributed.checkpoint.filesystem": dcp_fs,
+                    "torch": torch,
+                    "torch.serialization": torch.serialization,
+                }[module],
+                name,
+            )
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
             f"{self.path} asks to load {module}.{name}, which DCP's tensor metadata never holds; refused "
-            f"without running it (was the file altered?). Restore the checkpoint from a trusted copy")
+            f"without running it (was the file altered?). Restore the checkpoint from a trusted copy"
+        )
 
 
 def read_metadata(path: str):
@@ -146,20 +169,30 @@ def _wrap(name: str, local: torch.Tensor, sharding: Sharding | None, mesh):
     coords = {d: mesh[d].rank for d, _ in sharding.axes}
     want = sharding.local_shape(coords, sizes)
     if local.shape != want:
-        raise ConfigError(f"{name}: local shard shape {list(local.shape)} is not this rank's torch.chunk piece "
-                          f"of {sharding} (expected {list(want)})")
+        raise ConfigError(
+            f"{name}: local shard shape {list(local.shape)} is not this rank's torch.chunk piece "
+            f"of {sharding} (expected {list(want)})"
+        )
     if not axes:
         return local
     dims = (mesh.device_mesh.mesh_dim_names or ()) if mesh.device_mesh is not None else ()
     missing = [d for d, _ in axes if d not in dims]
     if missing:
-        raise ConfigError(f"{name}: sharded over {missing[0]!r}, which is not a DeviceMesh dim; "
-                          f"checkpoints can reshard over {', '.join(dims) or 'no dim'}")
+        raise ConfigError(
+            f"{name}: sharded over {missing[0]!r}, which is not a DeviceMesh dim; "
+            f"checkpoints can reshard over {', '.join(dims) or 'no dim'}"
+        )
     names = tuple(d for d, _ in axes)
     sub = mesh.device_mesh[names if len(names) > 1 else names[0]]
     full = torch.Size(sharding.full_shape)
-    return DTensor.from_local(local, sub, [DShard(p.dim % len(full)) for _, p in axes], run_check=False,
-                              shape=full, stride=_contiguous_stride(full))
+    return DTensor.from_local(
+        local,
+        sub,
+        [DShard(p.dim % len(full)) for _, p in axes],
+        run_check=False,
+        shape=full,
+        stride=_contiguous_stride(full),
+    )
 
 
 def _state(tensors: dict[str, torch.Tensor], specs: dict[str, Sharding], mesh) -> dict:

@@ -41,14 +41,18 @@ def select_algo(group: Group, op: str, nbytes: int, algo: str | None, uneven: bo
         key = (op, nbytes, uneven)
         if key not in group.algo_choices:
             group.algo_choices[key] = cost_model.choose(
-                op, nbytes, group.nodes, group.backend, group.ctx.link_params, uneven)
+                op, nbytes, group.nodes, group.backend, group.ctx.link_params, uneven
+            )
         return group.algo_choices[key]
     valid = cost_model.ALGOS[op]
     if algo not in valid:
         raise ConfigError(f"algo={algo!r} is not an algorithm for {op}; valid: {', '.join(valid)}")
     if algo not in cost_model.candidates(op, group.nodes, uneven):
-        why = ("the sizes are uneven and the backend needs equal chunks" if algo == "native"
-               else "the group does not span several nodes with several ranks each")
+        why = (
+            "the sizes are uneven and the backend needs equal chunks"
+            if algo == "native"
+            else "the group does not span several nodes with several ranks each"
+        )
         raise ConfigError(f"algo={algo!r} cannot run {op} on group {group.name}: {why}")
     return algo
 
@@ -71,7 +75,9 @@ def _check_op(op: str, dtype: torch.dtype) -> None:
     if op not in REDUCE_OPS:
         raise ConfigError(f"reduce op {op!r} is not supported; valid: {', '.join(REDUCE_OPS)}")
     if op == "avg" and not dtype.is_floating_point:
-        raise ConfigError(f"op='avg' needs a floating-point tensor, got {dtype_name(dtype)}; use op='sum' and divide")
+        raise ConfigError(
+            f"op='avg' needs a floating-point tensor, got {dtype_name(dtype)}; use op='sum' and divide"
+        )
 
 
 def _widen(op: str, dtype: torch.dtype, divides_after_sum: bool) -> bool:
@@ -81,7 +87,9 @@ def _widen(op: str, dtype: torch.dtype, divides_after_sum: bool) -> bool:
     return op == "avg" and dtype == torch.float16 and divides_after_sum
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", *, async_op: bool = False, algo: str | None = None):
+def all_reduce(
+    tensor: torch.Tensor, group: Group, op: str = "sum", *, async_op: bool = False, algo: str | None = None
+):
     """In place over `tensor` (returned too): the elementwise reduction across the group."""
     _check_op(op, tensor.dtype)
     if group.size == 1:
@@ -144,13 +152,23 @@ def _out_buffer(out: torch.Tensor | None, shape: tuple, like: torch.Tensor, what
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or not out.is_contiguous():
-        raise ConfigError(f"{what} out= must be a contiguous {dtype_name(like.dtype)} tensor of shape {list(shape)}, "
-                          f"got {dtype_name(out.dtype)} {list(out.shape)}")
+        raise ConfigError(
+            f"{what} out= must be a contiguous {dtype_name(like.dtype)} tensor of shape {list(shape)}, "
+            f"got {dtype_name(out.dtype)} {list(out.shape)}"
+        )
     return out
 
 
-def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, *, sizes: list[int] | None = None,
-               out: torch.Tensor | None = None, async_op: bool = False, algo: str | None = None):
+def all_gather(
+    tensor: torch.Tensor,
+    group: Group,
+    dim: int = 0,
+    *,
+    sizes: list[int] | None = None,
+    out: torch.Tensor | None = None,
+    async_op: bool = False,
+    algo: str | None = None,
+):
     """Concatenate every member's tensor along `dim` (member order). `sizes` gives each
     member's extent along `dim` when they differ (every member passes the same list).
     `out` (dim 0 only) receives the result instead of a new tensor."""
@@ -159,8 +177,10 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, *, sizes: list[
         return Done(tensor) if async_op else tensor
     sizes = list(sizes) if sizes is not None else [tensor.shape[dim]] * group.size
     if len(sizes) != group.size or sizes[group.rank] != tensor.shape[dim]:
-        raise ConfigError(f"all_gather sizes={sizes} must list {group.size} extents with this member's "
-                          f"({tensor.shape[dim]}) at index {group.rank}")
+        raise ConfigError(
+            f"all_gather sizes={sizes} must list {group.size} extents with this member's "
+            f"({tensor.shape[dim]}) at index {group.rank}"
+        )
     uneven = len(set(sizes)) > 1
     x = _to_front(tensor, dim)  # [n_dim, ...rest]
     inner = math.prod(x.shape[1:])
@@ -195,8 +215,16 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, *, sizes: list[
     return group.issue(sig, algo, _nbytes(out), start, finish, async_op)
 
 
-def reduce_scatter(tensor: torch.Tensor, group: Group, op: str = "sum", dim: int = 0, *,
-                   out: torch.Tensor | None = None, async_op: bool = False, algo: str | None = None):
+def reduce_scatter(
+    tensor: torch.Tensor,
+    group: Group,
+    op: str = "sum",
+    dim: int = 0,
+    *,
+    out: torch.Tensor | None = None,
+    async_op: bool = False,
+    algo: str | None = None,
+):
     """Reduce across the group, member i keeping chunk i along `dim` (tensor_split chunks, so
     the extent need not divide the group size: the first extent % size members get one more).
     `out` (dim 0 only) receives the result instead of a new tensor."""
@@ -248,9 +276,16 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, op: str = "sum", dim: int
     return group.issue(sig, algo, _nbytes(tensor), start, finish, async_op)
 
 
-def all_to_all(tensor: torch.Tensor, group: Group, in_splits: list[int] | None = None,
-               out_splits: list[int] | None = None, *, out: torch.Tensor | None = None,
-               async_op: bool = False, algo: str | None = None):
+def all_to_all(
+    tensor: torch.Tensor,
+    group: Group,
+    in_splits: list[int] | None = None,
+    out_splits: list[int] | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    async_op: bool = False,
+    algo: str | None = None,
+):
     """Exchange rows (dim 0): rows in_splits[j] go to member j; out_splits[j] arrive from j.
     Without splits the rows are divided equally (dim 0 must divide the group size)."""
     p = group.size
@@ -258,13 +293,17 @@ def all_to_all(tensor: torch.Tensor, group: Group, in_splits: list[int] | None =
         raise ConfigError("all_to_all needs both in_splits and out_splits (or neither)")
     if in_splits is None:
         if tensor.shape[0] % p:
-            raise ConfigError(f"all_to_all of {tensor.shape[0]} rows over {p} members needs in_splits/out_splits "
-                              f"(rows do not divide evenly)")
+            raise ConfigError(
+                f"all_to_all of {tensor.shape[0]} rows over {p} members needs in_splits/out_splits "
+                f"(rows do not divide evenly)"
+            )
         in_splits = out_splits = [tensor.shape[0] // p] * p
     in_splits, out_splits = [int(s) for s in in_splits], [int(s) for s in out_splits]
     if len(in_splits) != p or len(out_splits) != p or sum(in_splits) != tensor.shape[0]:
-        raise ConfigError(f"all_to_all splits must have {p} entries and in_splits must sum to {tensor.shape[0]} "
-                          f"rows; got in_splits={in_splits} out_splits={out_splits}")
+        raise ConfigError(
+            f"all_to_all splits must have {p} entries and in_splits must sum to {tensor.shape[0]} "
+            f"rows; got in_splits={in_splits} out_splits={out_splits}"
+        )
     if p == 1:
         return Done(tensor) if async_op else tensor
     x = tensor.contiguous()
@@ -275,12 +314,16 @@ def all_to_all(tensor: torch.Tensor, group: Group, in_splits: list[int] | None =
         # rather than the slower all-to-all-v one.
         even = len(set(in_splits)) == 1 and len(set(out_splits)) == 1
         osz, isz = (None, None) if even else (out_splits, in_splits)
-        start = lambda deadline, seq: [dist.all_to_all_single(out, x, osz, isz, group=group.pg, async_op=True)]  # noqa: E731
+        def start(deadline, seq):
+            return [dist.all_to_all_single(out, x, osz, isz, group=group.pg, async_op=True)]
     else:
         send, recv, members = list(x.split(in_splits)), list(out.split(out_splits)), list(range(p))
-        start = _runner(group, async_op, lambda lane: alg.pairwise_all_to_all(lane, members, group.rank, send, recv))
-    sig = signature("all_to_all", tensor.shape, dtype_name(tensor.dtype), "",
-                    splits={"in": in_splits, "out": out_splits})
+        start = _runner(
+            group, async_op, lambda lane: alg.pairwise_all_to_all(lane, members, group.rank, send, recv)
+        )
+    sig = signature(
+        "all_to_all", tensor.shape, dtype_name(tensor.dtype), "", splits={"in": in_splits, "out": out_splits}
+    )
     return group.issue(sig, algo, _nbytes(x), start, lambda: out, async_op)
 
 

@@ -58,8 +58,18 @@ def _compact(ranks: list[int]) -> str:
 class CommContext:
     """Per-process communication state. Use `init()` to make one."""
 
-    def __init__(self, rank: int, world_size: int, backend: str, store, timeout_s: float, debug: bool,
-                 ranks_per_node: int, device: torch.device, backend_timeout_s: float | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        store,
+        timeout_s: float,
+        debug: bool,
+        ranks_per_node: int,
+        device: torch.device,
+        backend_timeout_s: float | None = None,
+    ):
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.store = store
         self.timeout_s = timeout_s
@@ -122,8 +132,9 @@ class CommContext:
             if group is None:
                 pg = dist.new_group(ranks, timeout=self.group_timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
-                    group = Group(self, pg, ranks, f"{label}[{_compact(ranks)}]",
-                                  self.group_timeout.total_seconds())
+                    group = Group(
+                        self, pg, ranks, f"{label}[{_compact(ranks)}]", self.group_timeout.total_seconds()
+                    )
                     self._groups[key] = group
             if self.rank in ranks:
                 mine = group
@@ -223,12 +234,19 @@ def _start_barrier(store, world_size: int, timeout_s: float) -> None:
     try:
         store.wait(["meshspeed/all_started"], timedelta(seconds=timeout_s))
     except Exception:  # noqa: BLE001 - DistStoreError / RuntimeError, by torch version
-        raise ConfigError(f"only some of the {world_size} workers joined the job within {timeout_s:g}s "
-                          f"(MESHSPEED_START_TIMEOUT); did a worker fail to start?") from None
+        raise ConfigError(
+            f"only some of the {world_size} workers joined the job within {timeout_s:g}s "
+            f"(MESHSPEED_START_TIMEOUT); did a worker fail to start?"
+        ) from None
 
 
-def init(backend: str | None = None, *, timeout_s: float | None = None, debug: bool | None = None,
-         ranks_per_node: int | None = None) -> CommContext:
+def init(
+    backend: str | None = None,
+    *,
+    timeout_s: float | None = None,
+    debug: bool | None = None,
+    ranks_per_node: int | None = None,
+) -> CommContext:
     """Join the job described by the environment (torchrun's or meshspeed spawn's variables).
 
     With no launcher and no WORLD_SIZE this is a single process with no process group at all.
@@ -257,8 +275,9 @@ def init(backend: str | None = None, *, timeout_s: float | None = None, debug: b
             # group made later (see CommContext.split and Mesh), so the fast path can wait
             # without one; either way the timeout is diagnosed by meshspeed (names the missing
             # ranks). A context asking for a shorter timeout later waits explicitly.
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            )
             backend_timeout_s = timeout_s
         else:  # someone else initialised torch.distributed; adopt their default group
             rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -268,9 +287,12 @@ def init(backend: str | None = None, *, timeout_s: float | None = None, debug: b
         env = os.environ.get("MESHSPEED_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE")
         ranks_per_node = int(env) if env else world_size
     if ranks_per_node < 1 or world_size % ranks_per_node:
+        fit = max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= max(ranks_per_node, 1))
         raise ConfigError(
             f"ranks_per_node={ranks_per_node} does not divide the world size {world_size}; "
-            f"use a divisor such as {max(d for d in range(1, world_size + 1) if world_size % d == 0 and d <= max(ranks_per_node, 1))}"
+            f"use a divisor such as {fit}"
         )
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return CommContext(rank, world_size, backend, store, timeout_s, debug, ranks_per_node, device, backend_timeout_s)
+    return CommContext(
+        rank, world_size, backend, store, timeout_s, debug, ranks_per_node, device, backend_timeout_s
+    )

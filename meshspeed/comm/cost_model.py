@@ -41,12 +41,16 @@ WASTEFUL_NATIVE = {("gloo", "reduce_scatter"): "ring"}
 # Rough starting points, replaced by `meshspeed bench comm` fits (see save/load).
 _DEFAULTS = {
     "gloo": {
-        "native.intra": (30e-6, 1 / 2.5e9, 1 / 5e9), "native.inter": (60e-6, 1 / 1.0e9, 1 / 5e9),
-        "p2p.intra": (60e-6, 1 / 2.5e9, 1 / 5e9), "p2p.inter": (120e-6, 1 / 1.0e9, 1 / 5e9),
+        "native.intra": (30e-6, 1 / 2.5e9, 1 / 5e9),
+        "native.inter": (60e-6, 1 / 1.0e9, 1 / 5e9),
+        "p2p.intra": (60e-6, 1 / 2.5e9, 1 / 5e9),
+        "p2p.inter": (120e-6, 1 / 1.0e9, 1 / 5e9),
     },
     "nccl": {
-        "native.intra": (8e-6, 1 / 150e9, 1 / 1000e9), "native.inter": (15e-6, 1 / 20e9, 1 / 1000e9),
-        "p2p.intra": (25e-6, 1 / 100e9, 1 / 1000e9), "p2p.inter": (35e-6, 1 / 20e9, 1 / 1000e9),
+        "native.intra": (8e-6, 1 / 150e9, 1 / 1000e9),
+        "native.inter": (15e-6, 1 / 20e9, 1 / 1000e9),
+        "p2p.intra": (25e-6, 1 / 100e9, 1 / 1000e9),
+        "p2p.inter": (35e-6, 1 / 20e9, 1 / 1000e9),
     },
 }
 
@@ -60,20 +64,25 @@ class LinkParams:
     fitted: dict = field(default_factory=dict)  # fit quality per set, for the record
 
     @classmethod
-    def defaults(cls, backend: str) -> "LinkParams":
+    def defaults(cls, backend: str) -> LinkParams:
         return cls(dict(_DEFAULTS.get(backend, _DEFAULTS["gloo"])), f"built-in defaults ({backend})")
 
     def to_dict(self) -> dict:
-        return {"values": {k: list(v) for k, v in self.values.items()}, "source": self.source, "fitted": self.fitted}
+        return {
+            "values": {k: list(v) for k, v in self.values.items()},
+            "source": self.source,
+            "fitted": self.fitted,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LinkParams":
+    def from_dict(cls, d: dict) -> LinkParams:
         return cls({k: tuple(v) for k, v in d["values"].items()}, d.get("source", "?"), d.get("fitted", {}))
 
 
 def params_path() -> str:
     return os.environ.get("MESHSPEED_LINK_PARAMS") or os.path.join(
-        os.path.expanduser("~"), ".cache", "meshspeed", "link_params.json")
+        os.path.expanduser("~"), ".cache", "meshspeed", "link_params.json"
+    )
 
 
 def load(backend: str) -> LinkParams:
@@ -123,7 +132,9 @@ def parse_algo_env(text: str) -> dict[str, str]:
             raise ConfigError(f"MESHSPEED_ALGO: unknown op {op!r}; valid ops: {', '.join(ALGOS)}")
         valid = sorted({a for o, algos in ALGOS.items() if op in ("*", o) for a in algos})
         if algo not in valid:
-            raise ConfigError(f"MESHSPEED_ALGO: unknown algorithm {algo!r} for {op}; valid: {', '.join(valid)}")
+            raise ConfigError(
+                f"MESHSPEED_ALGO: unknown algorithm {algo!r} for {op}; valid: {', '.join(valid)}"
+            )
         out[op] = algo
     return out
 
@@ -161,8 +172,12 @@ def terms(op: str, algo: str, p: int, n: float, nodes: list[int], backend: str) 
     elif algo == "hd":
         p2 = 1 << int(math.log2(p))
         extra = p > p2
-        add(link, 2 * int(math.log2(p2)) + 2 * extra, 2 * (p2 - 1) / p2 * n + 2 * n * extra,
-            (p2 - 1) / p2 * n + n * extra)
+        add(
+            link,
+            2 * int(math.log2(p2)) + 2 * extra,
+            2 * (p2 - 1) / p2 * n + 2 * n * extra,
+            (p2 - 1) / p2 * n + n * extra,
+        )
     elif algo == "hier":
         q, k = topo
         add("intra", 2 * (k - 1), 2 * (k - 1) / k * n, (k - 1) / k * n)
@@ -224,7 +239,9 @@ def candidates(op: str, nodes: list[int], uneven: bool) -> list[str]:
     return out
 
 
-def choose(op: str, nbytes: int, nodes: list[int], backend: str, params: LinkParams, uneven: bool = False) -> str:
+def choose(
+    op: str, nbytes: int, nodes: list[int], backend: str, params: LinkParams, uneven: bool = False
+) -> str:
     """The cheapest applicable algorithm by the model. Deterministic: same inputs on every rank."""
     cands = candidates(op, nodes, uneven)
     return min(cands, key=lambda a: (predict(op, a, nbytes, nodes, backend, params), a != "native"))
@@ -261,8 +278,13 @@ def fit(rows: list[dict], nodes: list[int], backend: str, base: LinkParams | Non
     native_ops = sorted({r["op"] for r in rows if r["algo"] == "native"})
     sets = [("p2p", None)] + [("native", op) for op in native_ops]
     for fam, only_op in sets:
-        sel = [r for r in rows if (r["algo"] == "native") == (fam == "native") and r["time_us"] > 0
-               and (only_op is None or r["op"] == only_op)]
+        sel = [
+            r
+            for r in rows
+            if (r["algo"] == "native") == (fam == "native")
+            and r["time_us"] > 0
+            and (only_op is None or r["op"] == only_op)
+        ]
         if not sel:
             continue
         coefs = [terms(r["op"], r["algo"], len(nodes), r["bytes"], nodes, backend) for r in sel]

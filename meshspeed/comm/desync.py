@@ -145,8 +145,10 @@ def _timeout_error(group, seq, desc, timeout_s, present, when) -> CollectiveTime
         f"{when + ' ' if when else ''}on rank {gr[group.rank]}"
     )
     if present is None:
-        who = (": the rendezvous store did not answer, so the missing ranks are unknown (is rank 0, or "
-               "torchrun's agent, stopped or dead?)")
+        who = (
+            ": the rendezvous store did not answer, so the missing ranks are unknown (is rank 0, or "
+            "torchrun's agent, stopped or dead?)"
+        )
     else:
         missing = [gr[m] for m in range(group.size) if m not in present]
         if missing:

@@ -130,8 +130,9 @@ class Done(Handle):
 class Group:
     """Members (global ranks, in group order), this rank's index, and the means to talk to them."""
 
-    def __init__(self, ctx: CommView, pg, ranks: list[int], name: str,
-                 backend_timeout_s: float | None = None):
+    def __init__(
+        self, ctx: CommView, pg, ranks: list[int], name: str, backend_timeout_s: float | None = None
+    ):
         self.ctx = ctx
         self.pg = pg
         # The process group's own timeout (None: unknown, e.g. a group someone else made). The
@@ -233,7 +234,9 @@ class Lane:
         """Advance the tag counter by `steps` a peer performs while this rank sits them out."""
         self._step += steps
 
-    def exchange(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None):
+    def exchange(
+        self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None
+    ):
         """Send `send` to member `dst` and receive into `recv` from member `src` (either optional)."""
         g = self.group
         tag = self._tag | (self._step & 0xFFF)

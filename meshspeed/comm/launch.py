@@ -55,8 +55,13 @@ def worker_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     # Oversubscribed cores make every rank slower than one: split the cores between workers.
     threads = max(1, (os.cpu_count() or 1) // nproc)
     return {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(nproc),
-        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": str(threads),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "OMP_NUM_THREADS": str(threads),
     }
 
 
@@ -66,7 +71,7 @@ def headline(err: BaseException) -> str:
     text = str(err).strip()
     first = text.splitlines()[0] if text else ""
     if first.startswith("meshspeed: "):
-        first = first[len("meshspeed: "):]
+        first = first[len("meshspeed: ") :]
     if getattr(err, "one_line", False) and first:
         return first
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
@@ -153,6 +158,7 @@ class _Stopped(Exception):
 def _signals_raise():
     """Turn SIGTERM/SIGHUP into an exception in the launcher's loop, so it stops its workers
     instead of dying and leaving them behind."""
+
     def handler(signum, frame):
         raise _Stopped(signum)
 
@@ -217,7 +223,8 @@ class _Watch:
                 return
         # An echo ("failed on rank 1, see its error") waits a moment for the report it echoes.
         settled = self.echo_at is not None and (
-            time.monotonic() - self.echo_at > _ECHO_WAIT_S or not self.alive())
+            time.monotonic() - self.echo_at > _ECHO_WAIT_S or not self.alive()
+        )
         for echo_ok in (False, True) if settled else (False,):
             for r, rep in sorted(self.reports.items()):
                 if rep and rep[2] == echo_ok:
@@ -257,8 +264,9 @@ class _Watch:
             time.sleep(0.05)
 
 
-def spawn(fn, nproc: int, args: tuple = (), *, env: dict[str, str] | None = None,
-          grace_s: float = 5.0) -> int:
+def spawn(
+    fn, nproc: int, args: tuple = (), *, env: dict[str, str] | None = None, grace_s: float = 5.0
+) -> int:
     """Run `fn(*args)` in `nproc` fresh processes forming one job; return an exit code.
 
     `fn` must be importable (a module-level function). When a worker fails or dies the others
@@ -272,8 +280,9 @@ def spawn(fn, nproc: int, args: tuple = (), *, env: dict[str, str] | None = None
     procs, conns, sends = [], [], []
     for r in range(nproc):
         recv, send = mctx.Pipe(duplex=False)
-        procs.append(mctx.Process(target=_entry, args=(fn, args, r, nproc, port, env, send, os.getpid()),
-                                  daemon=False))
+        procs.append(
+            mctx.Process(target=_entry, args=(fn, args, r, nproc, port, env, send, os.getpid()), daemon=False)
+        )
         conns.append(recv)
         sends.append(send)
     watch = _Watch(procs, conns, grace_s)
@@ -312,6 +321,7 @@ def _report(watch: _Watch, nproc: int) -> int:
         print(detail, file=sys.stderr)
     others = nproc - 1
     tail = {0: "", 1: " (the other worker was stopped)"}.get(
-        others, f" (the other {others} workers were stopped)")
+        others, f" (the other {others} workers were stopped)"
+    )
     print(f"meshspeed: {line}{tail}", file=sys.stderr)
     return 1

@@ -63,8 +63,11 @@ class ParallelDims:
         if self.world_size == world_size:
             return
         rest = self.pp * self.cp * self.tp
-        hint = (f"e.g. dp={world_size // rest} with the other degrees as they are"
-                if world_size % rest == 0 else f"e.g. dp={world_size} with pp=cp=tp=1")
+        hint = (
+            f"e.g. dp={world_size // rest} with the other degrees as they are"
+            if world_size % rest == 0
+            else f"e.g. dp={world_size} with pp=cp=tp=1"
+        )
         raise ConfigError(
             f"parallel degrees dp={self.dp} × pp={self.pp} × cp={self.cp} × tp={self.tp} = {self.world_size} "
             f"ranks, but the world size is {world_size}; choose degrees whose product is {world_size}, {hint}"
@@ -84,10 +87,17 @@ class ParallelDims:
         out = {}
         for i, name in enumerate(MESH_DIMS):
             out[name] = grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
-        lines = grid.reshape(self.pp, self.dp * self.cp, self.tp).movedim(1, -1).reshape(-1, self.dp * self.cp).tolist()
+        lines = (
+            grid.reshape(self.pp, self.dp * self.cp, self.tp)
+            .movedim(1, -1)
+            .reshape(-1, self.dp * self.cp)
+            .tolist()
+        )
         out["dp_cp"] = lines
-        out["ep"] = [line[b * self.ep:(b + 1) * self.ep] for line in lines for b in range(len(line) // self.ep)]
-        out["edp"] = [line[j::self.ep] for line in lines for j in range(self.ep)]
+        out["ep"] = [
+            line[b * self.ep : (b + 1) * self.ep] for line in lines for b in range(len(line) // self.ep)
+        ]
+        out["edp"] = [line[j :: self.ep] for line in lines for j in range(self.ep)]
         return out
 
     def build(self, ctx: CommContext) -> Mesh:
@@ -147,16 +157,25 @@ class Mesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         override, timeouts = _timeout_overrides(dims, ctx)
-        self.device_mesh = init_device_mesh(ctx.device.type, tuple(getattr(dims, d) for d in MESH_DIMS),
-                                            mesh_dim_names=MESH_DIMS, backend_override=override)
+        self.device_mesh = init_device_mesh(
+            ctx.device.type,
+            tuple(getattr(dims, d) for d in MESH_DIMS),
+            mesh_dim_names=MESH_DIMS,
+            backend_override=override,
+        )
         for name in MESH_DIMS:
             mine = next(r for r in parts[name] if ctx.rank in r)
-            self._groups[name] = (ctx.adopt(self.device_mesh.get_group(name), mine, name, timeouts[name])
-                                  if len(mine) > 1 else ctx.single(name))
+            self._groups[name] = (
+                ctx.adopt(self.device_mesh.get_group(name), mine, name, timeouts[name])
+                if len(mine) > 1
+                else ctx.single(name)
+            )
         for name in ("dp_cp", "ep", "edp"):
             self._groups[name] = ctx.split(parts[name], name)
         k = ctx.ranks_per_node
-        self._groups["node"] = ctx.split([list(range(n * k, n * k + k)) for n in range(ctx.num_nodes)], "node")
+        self._groups["node"] = ctx.split(
+            [list(range(n * k, n * k + k)) for n in range(ctx.num_nodes)], "node"
+        )
         self._groups["xnode"] = ctx.split([list(range(i, ctx.world_size, k)) for i in range(k)], "xnode")
 
     def group(self, name: str) -> Group:

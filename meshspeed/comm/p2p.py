@@ -49,7 +49,9 @@ def _check(group: Group, op: P2P) -> None:
     if op.kind not in ("send", "recv"):
         raise ConfigError(f"p2p kind {op.kind!r} must be 'send' or 'recv'")
     if not 0 <= op.peer < group.size or op.peer == group.rank:
-        raise ConfigError(f"p2p peer {op.peer} must be another member index of {group.name} (0..{group.size - 1})")
+        raise ConfigError(
+            f"p2p peer {op.peer} must be another member index of {group.name} (0..{group.size - 1})"
+        )
     if not op.tensor.is_contiguous():
         raise ConfigError("p2p tensors must be contiguous (the backend writes the bytes in place)")
 
@@ -58,12 +60,24 @@ def batch(ops: list[P2P], group: Group) -> P2PHandle:
     """Post every transfer at once (required by NCCL for rings of send/recv) and return one handle."""
     for op in ops:
         _check(group, op)
-    entries = [group.ctx.recorder.record(-1, group.name, f"{op.kind}->{group.ranks[op.peer]}" if op.kind == "send"
-                                         else f"recv<-{group.ranks[op.peer]}", op.tensor.shape,
-                                         dtype_name(op.tensor.dtype), "p2p", op.tensor.numel() * op.tensor.element_size())
-               for op in ops]
-    torch_ops = [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, group.ranks[op.peer],
-                            group.pg, op.tag) for op in ops]
+    entries = [
+        group.ctx.recorder.record(
+            -1,
+            group.name,
+            f"{op.kind}->{group.ranks[op.peer]}" if op.kind == "send" else f"recv<-{group.ranks[op.peer]}",
+            op.tensor.shape,
+            dtype_name(op.tensor.dtype),
+            "p2p",
+            op.tensor.numel() * op.tensor.element_size(),
+        )
+        for op in ops
+    ]
+    torch_ops = [
+        dist.P2POp(
+            dist.isend if op.kind == "send" else dist.irecv, op.tensor, group.ranks[op.peer], group.pg, op.tag
+        )
+        for op in ops
+    ]
     works = dist.batch_isend_irecv(torch_ops) if torch_ops else []
     return P2PHandle(group, works, ops, entries)
 

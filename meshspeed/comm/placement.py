@@ -163,8 +163,10 @@ def shard_tensor(full: torch.Tensor, mesh_dim: str, placement: Placement, group)
         n = full.shape[dim]
         if min(chunk_sizes(n, group.size)) == 0:
             ok = ", ".join(str(q) for q in range(1, group.size) if min(chunk_sizes(n, q)) > 0)
-            raise ConfigError(f"parallel.{mesh_dim}={group.size} leaves an empty piece of a {list(full.shape)} "
-                              f"tensor along dim {dim}; valid {mesh_dim}: {ok}")
+            raise ConfigError(
+                f"parallel.{mesh_dim}={group.size} leaves an empty piece of a {list(full.shape)} "
+                f"tensor along dim {dim}; valid {mesh_dim}: {ok}"
+            )
     sharding = add_axis(full, full.shape, mesh_dim, placement)
     local = local_piece(full.detach(), placement, group.rank, group.size)
     return tag(local, sharding)
@@ -185,7 +187,6 @@ def full_tensor(local: torch.Tensor, mesh, sharding: Sharding | None = None) -> 
     return out.reshape(s.full_shape)
 
 
-
 def shard_parameter(p: torch.Tensor, mesh_dim: str, placement: Placement, group) -> torch.nn.Parameter:
     """A new Parameter holding this member's tagged piece of parameter `p` (a copy on a real
     device, free on meta). The old Parameter is left for the caller to drop."""
@@ -199,6 +200,23 @@ def full_grad(p: torch.Tensor, mesh) -> torch.Tensor | None:
     return None if p.grad is None else full_tensor(p.grad, mesh, sharding_of(p))
 
 
-__all__ = ["ATTR", "Partial", "Placement", "Replicate", "Shard", "Sharding", "add_axis", "assemble",
-           "chunk_bounds", "chunk_sizes", "full_grad", "full_tensor", "gather", "local_piece", "shard_tensor",
-           "shard_parameter", "sharding_of", "tag"]
+__all__ = [
+    "ATTR",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "Sharding",
+    "add_axis",
+    "assemble",
+    "chunk_bounds",
+    "chunk_sizes",
+    "full_grad",
+    "full_tensor",
+    "gather",
+    "local_piece",
+    "shard_tensor",
+    "shard_parameter",
+    "sharding_of",
+    "tag",
+]

@@ -6,7 +6,7 @@ run so meshspeed's overhead (or gain) is a measured ratio, not a claim.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,14 @@ _rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def raw_call(op: str, group: Group, inp: torch.Tensor, out: torch.Tensor | None, redop: str = "sum",
-             async_op: bool = False) -> Callable[[], object]:
+def raw_call(
+    op: str,
+    group: Group,
+    inp: torch.Tensor,
+    out: torch.Tensor | None,
+    redop: str = "sum",
+    async_op: bool = False,
+) -> Callable[[], object]:
     """A zero-argument function running one raw `op` on preallocated buffers (returning the
     backend's Work when async_op)."""
     pg, red = group.pg, _OPS.get(redop, dist.ReduceOp.SUM)

@@ -76,8 +76,10 @@ class Recipe:
     aux_loss: Callable[[Iterable[nn.Module]], torch.Tensor | None] = _no_aux
 
     def __str__(self) -> str:
-        lines = [f"recipe {self.name}: {self.n_layers} blocks in {self.pipeline.layers!r}, "
-                 f"embedding {self.pipeline.embedding!r}, head {', '.join(self.pipeline.head)}"]
+        lines = [
+            f"recipe {self.name}: {self.n_layers} blocks in {self.pipeline.layers!r}, "
+            f"embedding {self.pipeline.embedding!r}, head {', '.join(self.pipeline.head)}"
+        ]
         lines += [f"  tp {p} -> {s}" for p, s in self.tp_plan]
         lines += [f"  expert {p} (expert dim {d})" for p, d in self.experts]
         lines += [f"  tied {a} = {o}" for a, o in self.tied]

@@ -26,21 +26,48 @@ EXAMPLES = """examples:
 def register(sub) -> None:
     parser = sub.add_parser("data", help="prepare training data (token files)")
     actions = parser.add_subparsers(dest="data_command", metavar="ACTION")
-    p = actions.add_parser("prepare", help="tokenize text into a uint16/uint32 token file + JSON sidecar",
-                           description=DESCRIPTION, epilog=EXAMPLES,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = actions.add_parser(
+        "prepare",
+        help="tokenize text into a uint16/uint32 token file + JSON sidecar",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     # Values are checked by meshspeed.train.prepare, so a bad one is one line naming the flag.
-    p.add_argument("--out", default="", metavar="PATH", help="required: the token file to write (e.g. "
-                   "data/tokens.bin); its sidecar is PATH.json")
-    p.add_argument("--format", default="uint32", metavar="{uint32,uint16}",
-                   help="token width (default uint32, what configs/llama3-8b.toml reads)")
-    p.add_argument("--input", default="", metavar="PATH_OR_DIR", help="a text file or a directory of text "
-                   "files (default: the Python standard library's .py sources, the trainer's default corpus)")
-    p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help="what --data.tokenizer takes: "
-                   "'bytes' (default: token = byte, vocabulary 256) or a Hugging Face tokenizer directory "
-                   "or its tokenizer.json")
-    p.add_argument("--max-mb", default=None, metavar="N", help="read at most N MB (10^6 bytes) of text; "
-                   "0 = no cap (default: 8 for the standard library, as the trainer; no cap for --input)")
+    p.add_argument(
+        "--out",
+        default="",
+        metavar="PATH",
+        help="required: the token file to write (e.g. data/tokens.bin); its sidecar is PATH.json",
+    )
+    p.add_argument(
+        "--format",
+        default="uint32",
+        metavar="{uint32,uint16}",
+        help="token width (default uint32, what configs/llama3-8b.toml reads)",
+    )
+    p.add_argument(
+        "--input",
+        default="",
+        metavar="PATH_OR_DIR",
+        help="a text file or a directory of text "
+        "files (default: the Python standard library's .py sources, the trainer's default corpus)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="bytes",
+        metavar="SPEC",
+        help="what --data.tokenizer takes: "
+        "'bytes' (default: token = byte, vocabulary 256) or a Hugging Face tokenizer directory "
+        "or its tokenizer.json",
+    )
+    p.add_argument(
+        "--max-mb",
+        default=None,
+        metavar="N",
+        help="read at most N MB (10^6 bytes) of text; "
+        "0 = no cap (default: 8 for the standard library, as the trainer; no cap for --input)",
+    )
     p.set_defaults(func=run_prepare)
     parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])
 
@@ -53,9 +80,11 @@ def run_prepare(args) -> int:
     except DataError as err:
         print(f"meshspeed data prepare: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {meta['count']:,} {meta['format']} tokens ({meta['tokenizer']} tokenizer, "
-          f"vocabulary {meta['vocab_size']}) from {meta['files']} files of {meta['source']}"
-          + (f", {meta['skipped_binary']} binary files skipped" if meta["skipped_binary"] else ""))
+    print(
+        f"wrote {args.out}: {meta['count']:,} {meta['format']} tokens ({meta['tokenizer']} tokenizer, "
+        f"vocabulary {meta['vocab_size']}) from {meta['files']} files of {meta['source']}"
+        + (f", {meta['skipped_binary']} binary files skipped" if meta["skipped_binary"] else "")
+    )
     print(f"      {sidecar_path(args.out)}")
     tok = "" if meta["tokenizer"] == "bytes" else f" --data.tokenizer {meta['tokenizer']}"
     print(f"train on it with: --data.path {args.out} --data.format {meta['format']}{tok}")

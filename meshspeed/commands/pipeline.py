@@ -57,17 +57,47 @@ def register(subparsers) -> None:
         epilog=COST_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    show.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES) + ["all"], help="schedule name, or 'all' to compare every schedule in one table (default 1f1b)")
+    show.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=list(SCHEDULES) + ["all"],
+        help="schedule name, or 'all' to compare every schedule in one table (default 1f1b)",
+    )
     show.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     show.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
-    show.add_argument("--vpp", type=int, default=None, help="model chunks per rank for the interleaved schedules (default 2; the others always use 1)")
-    show.add_argument("--cost-f", type=_cost, default=Fraction(1), help="forward time per microbatch per rank (default 1)")
-    show.add_argument("--cost-b", type=_cost, default=Fraction(1), help="input-gradient backward time (default 1)")
-    show.add_argument("--cost-w", type=_cost, default=Fraction(1), help="weight-gradient backward time (default 1)")
-    show.add_argument("--cost-p2p", type=_cost, default=Fraction(0), help="latency of one point-to-point message (default 0)")
-    show.add_argument("--comms", action="store_true", help="list the SEND/RECV actions too (sF3.1>2 = send F3.1's output to rank 2)")
+    show.add_argument(
+        "--vpp",
+        type=int,
+        default=None,
+        help="model chunks per rank for the interleaved schedules (default 2; the others always use 1)",
+    )
+    show.add_argument(
+        "--cost-f", type=_cost, default=Fraction(1), help="forward time per microbatch per rank (default 1)"
+    )
+    show.add_argument(
+        "--cost-b", type=_cost, default=Fraction(1), help="input-gradient backward time (default 1)"
+    )
+    show.add_argument(
+        "--cost-w", type=_cost, default=Fraction(1), help="weight-gradient backward time (default 1)"
+    )
+    show.add_argument(
+        "--cost-p2p",
+        type=_cost,
+        default=Fraction(0),
+        help="latency of one point-to-point message (default 0)",
+    )
+    show.add_argument(
+        "--comms",
+        action="store_true",
+        help="list the SEND/RECV actions too (sF3.1>2 = send F3.1's output to rank 2)",
+    )
     show.add_argument("--width", type=int, default=120, help="ASCII timeline width in columns (default 120)")
-    show.add_argument("--png", metavar="PATH", help="write a timeline PNG (needs matplotlib); with --schedule all one file per schedule, named PATH-<schedule>.png")
+    show.add_argument(
+        "--png",
+        metavar="PATH",
+        help="write a timeline PNG (needs matplotlib); with --schedule all one file per schedule, "
+        "named PATH-<schedule>.png",
+    )
     show.add_argument("--json", metavar="PATH", help="write schedule + simulated timeline as JSON")
     show.set_defaults(func=run_show)
     parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])
@@ -109,7 +139,9 @@ def run_show(args) -> int:
         costs = Costs(args.cost_f, args.cost_b, args.cost_w, args.cost_p2p)
         if args.schedule == "all":
             # Non-interleaved schedules cannot take vpp > 1; they run at vpp 1 in the comparison.
-            runs = [(name, _vpp_for(name, args.vpp if fn.interleaved else None)) for name, fn in SCHEDULES.items()]
+            runs = [
+                (name, _vpp_for(name, args.vpp if fn.interleaved else None)) for name, fn in SCHEDULES.items()
+            ]
         else:
             runs = [(args.schedule, _vpp_for(args.schedule, args.vpp))]
         results = [evaluate(name, args.pp, vpp, args.microbatches, costs) for name, vpp in runs]
@@ -140,7 +172,9 @@ def _print_one(r, args) -> None:
     print(_cost_line(r))
     print()
     actions = r.schedule if args.comms else [[a for a in acts if a.is_compute] for acts in r.schedule]
-    print("actions per rank (F3.1 = forward of microbatch 3 on chunk 1):" if r.vpp > 1 else "actions per rank:")
+    print(
+        "actions per rank (F3.1 = forward of microbatch 3 on chunk 1):" if r.vpp > 1 else "actions per rank:"
+    )
     print(format_schedule(actions, show_chunk=r.vpp > 1))
     print()
     print(ascii_timeline(r, width=args.width))
@@ -152,7 +186,11 @@ def _print_one(r, args) -> None:
         ("makespan", _num(r.makespan)),
         ("bubble", _frac(r.bubble) + closed_text),
         ("bubble per rank", "  ".join(_frac(b, short=True) for b in r.bubble_per_rank)),
-        ("peak activations", "  ".join(f"rank {i}: {n}" for i, n in enumerate(r.peak_activations)) + ("  (microbatch-chunks)" if r.vpp > 1 else "  (microbatches)")),
+        (
+            "peak activations",
+            "  ".join(f"rank {i}: {n}" for i, n in enumerate(r.peak_activations))
+            + ("  (microbatch-chunks)" if r.vpp > 1 else "  (microbatches)"),
+        ),
         ("F|B overlap", f"{indep}/{total} adjacent F->B pairs independent"),
     ]
     for key, value in rows:
@@ -163,7 +201,11 @@ def _frac(x, short: bool = False) -> str:
     if isinstance(x, Fraction):
         if short:
             return f"{x.numerator}/{x.denominator}" if x.denominator != 1 else str(x.numerator)
-        return f"{x.numerator}/{x.denominator} = {float(x):.4f}" if x.denominator != 1 else f"{x.numerator} = {float(x):.4f}"
+        return (
+            f"{x.numerator}/{x.denominator} = {float(x):.4f}"
+            if x.denominator != 1
+            else f"{x.numerator} = {float(x):.4f}"
+        )
     return f"{x:.4f}"
 
 
@@ -194,7 +236,9 @@ def _print_table(results, args) -> None:
     for row in [header] + rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     print()
-    print("peak act/rank counts microbatch-chunks (each 1/vpp of a rank's layers); see --help for definitions")
+    print(
+        "peak act/rank counts microbatch-chunks (each 1/vpp of a rank's layers); see --help for definitions"
+    )
 
 
 def _write_files(results, args) -> int:

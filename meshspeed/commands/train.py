@@ -13,8 +13,7 @@ EXAMPLES = """examples:
   meshspeed train --checkpoint.resume latest        # continue the run in --run.dir exactly
   meshspeed train --run.overwrite true              # start over in a --run.dir an earlier run used
   torchrun --nproc-per-node 8 -m meshspeed train --config configs/llama3-8b.toml
-  torchrun --nproc-per-node 8 --max-restarts 3 -m meshspeed train --checkpoint.resume auto \
-      --checkpoint.interval 100                     # a killed worker: restart, resume, finish
+  torchrun --nproc-per-node 8 --max-restarts 3 -m meshspeed train --checkpoint.resume auto
 
 When things go wrong: a collective that waits longer than --run.timeout (or $MESHSPEED_TIMEOUT)
 fails naming the group, the collective and the ranks that never arrived; any error on any rank
@@ -33,9 +32,16 @@ data-parallel rank takes its slice, so losses match across layouts.
 def register(sub) -> None:
     from meshspeed.train import config
 
-    p = sub.add_parser("train", help="train a model", description=__doc__, epilog=EXAMPLES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE.toml", help="a TOML preset (see configs/); default: the tiny preset")
+    p = sub.add_parser(
+        "train",
+        help="train a model",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", metavar="FILE.toml", help="a TOML preset (see configs/); default: the tiny preset"
+    )
     config.add_arguments(p)
     p.set_defaults(func=run)
 

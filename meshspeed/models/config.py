@@ -110,8 +110,16 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         # TOML and CLI overrides arrive as loose types; a bool is an int in Python, so reject it.
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len",
-                     "top_k", "moe_every"):
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "vocab_size",
+            "multiple_of",
+            "max_seq_len",
+            "top_k",
+            "moe_every",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use an integer >= 1")
@@ -121,10 +129,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use an integer >= 0")
         for name in ("n_kv_heads", "ffn_hidden", "moe_ffn_hidden"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise ValueError(
-                    f"ModelConfig.{name}={value!r} is invalid; use an integer >= 1 or None")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use an integer >= 1 or None")
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -134,57 +140,83 @@ class ModelConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use a number >= 0")
         if self.ffn_dim_multiplier is not None and not (
-                isinstance(self.ffn_dim_multiplier, (int, float)) and self.ffn_dim_multiplier > 0):
-            raise ValueError(f"ModelConfig.ffn_dim_multiplier={self.ffn_dim_multiplier!r} is "
-                             "invalid; use a number > 0 (Llama-3 uses 1.3) or None")
+            isinstance(self.ffn_dim_multiplier, (int, float)) and self.ffn_dim_multiplier > 0
+        ):
+            raise ValueError(
+                f"ModelConfig.ffn_dim_multiplier={self.ffn_dim_multiplier!r} is "
+                "invalid; use a number > 0 (Llama-3 uses 1.3) or None"
+            )
         if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"ModelConfig.tie_embeddings={self.tie_embeddings!r} is invalid; "
-                             "use true or false")
+            raise ValueError(
+                f"ModelConfig.tie_embeddings={self.tie_embeddings!r} is invalid; use true or false"
+            )
 
         if self.family not in FAMILIES:
-            raise ValueError(f"ModelConfig.family={self.family!r} is invalid; choose one of {', '.join(FAMILIES)}")
+            raise ValueError(
+                f"ModelConfig.family={self.family!r} is invalid; choose one of {', '.join(FAMILIES)}"
+            )
         if self.dim % self.n_heads:
-            raise ValueError(f"ModelConfig.n_heads={self.n_heads} does not divide dim={self.dim}; "
-                             f"choose n_heads among {_divisors(self.dim)}")
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} does not divide dim={self.dim}; "
+                f"choose n_heads among {_divisors(self.dim)}"
+            )
         if self.head_dim % 2:
-            even = [h for h in range(1, self.dim + 1)
-                    if self.dim % h == 0 and (self.dim // h) % 2 == 0][:10]
+            even = [h for h in range(1, self.dim + 1) if self.dim % h == 0 and (self.dim // h) % 2 == 0][:10]
             raise ValueError(
                 f"ModelConfig.n_heads={self.n_heads} gives head_dim={self.head_dim} for "
                 f"dim={self.dim}, which is odd; RoPE rotates pairs of channels, so choose n_heads "
-                f"among {', '.join(map(str, even)) or '(none: make dim even)'}")
+                f"among {', '.join(map(str, even)) or '(none: make dim even)'}"
+            )
         if self.n_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
-                f"choose n_kv_heads among {_divisors(self.n_heads)}")
+                f"choose n_kv_heads among {_divisors(self.n_heads)}"
+            )
         if self.router_softmax not in ROUTER_SOFTMAX_CHOICES:
-            raise ValueError(f"ModelConfig.router_softmax={self.router_softmax!r} is invalid; "
-                             f"choose one of {', '.join(ROUTER_SOFTMAX_CHOICES)}")
+            raise ValueError(
+                f"ModelConfig.router_softmax={self.router_softmax!r} is invalid; "
+                f"choose one of {', '.join(ROUTER_SOFTMAX_CHOICES)}"
+            )
         if self.rope_scaling not in ROPE_SCALING_CHOICES:
-            raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} is invalid; "
-                             f"choose one of {', '.join(ROPE_SCALING_CHOICES)}")
-        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                     "rope_original_max_seq_len"):
+            raise ValueError(
+                f"ModelConfig.rope_scaling={self.rope_scaling!r} is invalid; "
+                f"choose one of {', '.join(ROPE_SCALING_CHOICES)}"
+            )
+        for name in (
+            "rope_scaling_factor",
+            "rope_low_freq_factor",
+            "rope_high_freq_factor",
+            "rope_original_max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use a number > 0")
         if self.rope_high_freq_factor <= self.rope_low_freq_factor:
-            raise ValueError(f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
-                             f"rope_low_freq_factor={self.rope_low_freq_factor} (Llama-3.1: 4 and 1)")
+            raise ValueError(
+                f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                f"rope_low_freq_factor={self.rope_low_freq_factor} (Llama-3.1: 4 and 1)"
+            )
         if self.moe_impl not in MOE_IMPL_CHOICES:
-            raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r} is invalid; "
-                             f"choose one of {', '.join(MOE_IMPL_CHOICES)}")
+            raise ValueError(
+                f"ModelConfig.moe_impl={self.moe_impl!r} is invalid; "
+                f"choose one of {', '.join(MOE_IMPL_CHOICES)}"
+            )
         if self.n_experts > 0:
             if self.top_k > self.n_experts:
-                raise ValueError(f"ModelConfig.top_k={self.top_k} exceeds n_experts="
-                                 f"{self.n_experts}; choose top_k between 1 and {self.n_experts}")
+                raise ValueError(
+                    f"ModelConfig.top_k={self.top_k} exceeds n_experts="
+                    f"{self.n_experts}; choose top_k between 1 and {self.n_experts}"
+                )
             if self.first_k_dense > self.n_layers:
                 raise ValueError(
                     f"ModelConfig.first_k_dense={self.first_k_dense} exceeds n_layers="
-                    f"{self.n_layers}; choose 0..{self.n_layers}")
+                    f"{self.n_layers}; choose 0..{self.n_layers}"
+                )
         elif self.n_shared_experts:
-            raise ValueError(f"ModelConfig.n_shared_experts={self.n_shared_experts} needs routed "
-                             "experts; set n_experts >= 1 or n_shared_experts=0")
+            raise ValueError(
+                f"ModelConfig.n_shared_experts={self.n_shared_experts} needs routed "
+                "experts; set n_experts >= 1 or n_shared_experts=0"
+            )
 
     # --- derived sizes ----------------------------------------------------------------
     @property

@@ -35,22 +35,26 @@ MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2"
 
 # Fields that do not change the function the weights compute (bookkeeping, generation, the
 # initialiser of a fresh model, inference-only caches): accepted and not used.
-_IGNORED = frozenset("""
+_IGNORED = frozenset(
+    """
     _name_or_path architectures model_type transformers_version torch_dtype dtype use_cache
     initializer_range bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id
     output_attentions output_hidden_states return_dict id2label label2id problem_type
     chunk_size_feed_forward is_encoder_decoder tokenizer_class use_bfloat16 task_specific_params
     finetuning_task prefix max_length
     pretraining_tp max_window_layers
-""".split())  # pretraining_tp: the same matmuls, sliced; max_window_layers: read with use_sliding_window
+""".split()
+)  # pretraining_tp: the same matmuls, sliced; max_window_layers: read with use_sliding_window
 # Fields meshspeed reads; anything not here or above is an error naming it.
-_MAPPED = frozenset("""
+_MAPPED = frozenset(
+    """
     vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads
     head_dim max_position_embeddings rms_norm_eps rope_theta rope_scaling rope_parameters
     tie_word_embeddings hidden_act attention_bias mlp_bias attention_dropout sliding_window
     use_sliding_window layer_types num_local_experts num_experts_per_tok router_aux_loss_coef
     output_router_logits router_jitter_noise
-""".split())
+""".split()
+)
 
 
 def _bad(field: str, value, want: str) -> ConfigError:

@@ -51,8 +51,13 @@ def init_std(name: str, config: ModelConfig) -> float | None:
     return config.init_std
 
 
-def init_tensor(name: str, shape: torch.Size | tuple[int, ...], config: ModelConfig,
-                seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def init_tensor(
+    name: str,
+    shape: torch.Size | tuple[int, ...],
+    config: ModelConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The full (unsharded) initial value of parameter `name`, on the CPU.
 
     Drawn in float32 whatever `dtype`, so a bf16 model holds the rounded fp32 init.
@@ -76,8 +81,10 @@ def init_weights(model: nn.Module, seed: int = 0, config: ModelConfig | None = N
             m.tie_weights()  # to_empty() unties; re-tie before drawing so both names share values
     for name, p in model.named_parameters():  # a tied weight is listed (and drawn) once
         if p.is_meta:
-            raise ValueError(f"parameter {name} is on the meta device; call "
-                             "model.to_empty(device=...) before init_weights (or use build_model)")
+            raise ValueError(
+                f"parameter {name} is on the meta device; call "
+                "model.to_empty(device=...) before init_weights (or use build_model)"
+            )
         p.copy_(init_tensor(name, p.shape, config, seed))
     for m in model.modules():
         if hasattr(m, "init_rope"):

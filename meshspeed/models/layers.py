@@ -21,15 +21,17 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float,
-                    device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, each [max_seq_len, head_dim // 2] float32.
 
     Channel pair i rotates at frequency theta^(-2i / head_dim), computed in float32 exactly as
     Meta's reference so that Llama checkpoints load without a permutation.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2]
-                                .float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim)
+    )
     t = torch.arange(max_seq_len, device=device).float()
     angles = torch.outer(t, inv_freq)  # [max_seq_len, head_dim // 2]
     return angles.cos(), angles.sin()

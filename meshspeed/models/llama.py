@@ -40,8 +40,9 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, :, None, :].expand(b, s, kv, n_rep, d).reshape(b, s, kv * n_rep, d)
 
 
-def rope_tables(config: ModelConfig, device: torch.device | str | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    config: ModelConfig, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_seq_len, head_dim // 2] float32 for `config`, its rope_scaling included.
 
     Unscaled configs take precompute_rope's tables unchanged. 'llama3' rescales the inverse
@@ -87,7 +88,8 @@ class Attention(nn.Module):
         n_rep = q.shape[2] // k.shape[2]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(  # [batch, heads, seq, head_dim]
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -104,8 +106,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.moe_enabled = config.is_moe_layer(layer_id)
         # Same attribute name for dense and MoE so norm/residual FQN patterns do not fork.
-        self.feed_forward = MoE(config) if self.moe_enabled else FeedForward(config.dim,
-                                                                             config.ffn_dim)
+        self.feed_forward = MoE(config) if self.moe_enabled else FeedForward(config.dim, config.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -121,8 +122,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): self.block_cls(i, config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_cls(i, config) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
@@ -162,9 +162,11 @@ class Transformer(nn.Module):
             # pass `positions`.)
             seq = tokens.shape[1]
             if seq > self.config.max_seq_len:
-                raise ValueError(f"sequence length {seq} exceeds ModelConfig.max_seq_len="
-                                 f"{self.config.max_seq_len}; raise max_seq_len or feed shorter "
-                                 "sequences")
+                raise ValueError(
+                    f"sequence length {seq} exceeds ModelConfig.max_seq_len="
+                    f"{self.config.max_seq_len}; raise max_seq_len or feed shorter "
+                    "sequences"
+                )
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -178,8 +180,11 @@ class Transformer(nn.Module):
 
     def moe_layers(self) -> dict[str, MoE]:
         """FQN -> MoE module for the MoE layers present on this model (or pipeline stage)."""
-        return {f"layers.{i}.feed_forward": layer.feed_forward
-                for i, layer in self.layers.items() if isinstance(layer.feed_forward, MoE)}
+        return {
+            f"layers.{i}.feed_forward": layer.feed_forward
+            for i, layer in self.layers.items()
+            if isinstance(layer.feed_forward, MoE)
+        }
 
     def aux_loss(self) -> torch.Tensor:
         """Coefficient-weighted MoE auxiliary losses of the last forward, with gradients.
@@ -194,11 +199,15 @@ class Transformer(nn.Module):
 
     def router_stats(self) -> dict[str, torch.Tensor]:
         """FQN -> tokens routed to each expert [n_experts] in the last forward (detached)."""
-        return {name: m.tokens_per_expert for name, m in self.moe_layers().items()
-                if m.tokens_per_expert is not None}
+        return {
+            name: m.tokens_per_expert
+            for name, m in self.moe_layers().items()
+            if m.tokens_per_expert is not None
+        }
 
 
 # --- recipe: how this family may be split (read by meshspeed.parallel, which never imports us) ---
+
 
 def tp_plan(config: ModelConfig) -> tuple[tuple[str, str], ...]:
     """Megatron's layout: attention heads and FFN hidden split, embedding and output split
@@ -231,23 +240,35 @@ def rope_args(model: Transformer, positions: torch.Tensor) -> tuple[torch.Tensor
 
 def moe_aux_loss(modules) -> torch.Tensor | None:
     """Sum of the MoE layers' auxiliary losses (last forward) inside `modules`; None if none."""
-    losses = [aux for mod in modules for m in mod.modules()
-              if isinstance(m, MoE) and (aux := m.aux_loss()) is not None]
+    losses = [
+        aux
+        for mod in modules
+        for m in mod.modules()
+        if isinstance(m, MoE) and (aux := m.aux_loss()) is not None
+    ]
     return torch.stack(losses).sum() if losses else None
 
 
 def recipe(config: ModelConfig, model_cls: type = Transformer, name: str = "llama") -> Recipe:
     """The Llama family's recipe (dense and MoE); other Llama-shaped families reuse it with
     their own model class."""
-    experts = (("layers.*.feed_forward.experts.w1", 0), ("layers.*.feed_forward.experts.w2", 0),
-               ("layers.*.feed_forward.experts.w3", 0)) if config.is_moe else ()
+    experts = (
+        (
+            ("layers.*.feed_forward.experts.w1", 0),
+            ("layers.*.feed_forward.experts.w2", 0),
+            ("layers.*.feed_forward.experts.w3", 0),
+        )
+        if config.is_moe
+        else ()
+    )
     return Recipe(
         name=name,
         build=lambda: model_cls(config),
         init=lambda fqn, shape, seed: init_tensor(fqn, shape, config, seed),
         loss=cross_entropy_loss,
-        pipeline=PipelineUnits(embedding="tok_embeddings", layers="layers", head=("norm", "output"),
-                               layer_args=rope_args),
+        pipeline=PipelineUnits(
+            embedding="tok_embeddings", layers="layers", head=("norm", "output"), layer_args=rope_args
+        ),
         tp_plan=tp_plan(config),
         tp_styles={"moe": MOE_TP_STYLE},
         tp_divides={"n_heads": config.n_heads, "n_kv_heads": config.num_kv_heads},

@@ -62,8 +62,7 @@ class GroupedExperts(nn.Module):
     w1 (gate), w3 (up): [n_experts, hidden, dim]; w2 (down): [n_experts, dim, hidden].
     """
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, impl: str = "auto",
-                 init_std: float = 0.02):
+    def __init__(self, dim: int, hidden: int, n_experts: int, impl: str = "auto", init_std: float = 0.02):
         super().__init__()
         self.impl = impl
         self.init_std = init_std
@@ -82,11 +81,14 @@ class GroupedExperts(nn.Module):
         """x [tokens, dim] sorted by expert, counts [n_experts] -> [tokens, dim]."""
         n_experts, hidden, dim = self.w1.shape
         use_grouped = self.impl == "grouped_mm" or (
-            self.impl == "auto" and grouped_mm_available(x, dim, hidden))
+            self.impl == "auto" and grouped_mm_available(x, dim, hidden)
+        )
         if use_grouped:
             if not hasattr(torch, "_grouped_mm"):
-                raise RuntimeError(f"moe_impl='grouped_mm' but torch {torch.__version__} has no "
-                                   "torch._grouped_mm; use moe_impl='auto' or 'loop'")
+                raise RuntimeError(
+                    f"moe_impl='grouped_mm' but torch {torch.__version__} has no "
+                    "torch._grouped_mm; use moe_impl='auto' or 'loop'"
+                )
             return self._grouped(x, counts)
         return self._loop(x, counts)
 
@@ -125,11 +127,11 @@ class MoE(nn.Module):
         self.aux_loss_coef = config.aux_loss_coef
         self.z_loss_coef = config.z_loss_coef
         self.router = TopKRouter(config.dim, config.n_experts, config.top_k, config.router_softmax)
-        self.experts = GroupedExperts(config.dim, hidden, config.n_experts, config.moe_impl,
-                                      config.init_std)
+        self.experts = GroupedExperts(config.dim, hidden, config.n_experts, config.moe_impl, config.init_std)
         # Several shared experts are one wider SwiGLU: same function, one matmul each (DeepSeek).
-        self.shared_expert = (FeedForward(config.dim, config.n_shared_experts * hidden)
-                              if config.n_shared_experts else None)
+        self.shared_expert = (
+            FeedForward(config.dim, config.n_shared_experts * hidden) if config.n_shared_experts else None
+        )
         self.load_balance_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
@@ -145,8 +147,9 @@ class MoE(nn.Module):
             out = out + self.shared_expert(x)
         return out.view(shape)
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-               counts: torch.Tensor) -> torch.Tensor:
+    def routed(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
         """x [tokens, dim], weights/experts [tokens, k], counts [E] -> [tokens, dim]."""
         n_tokens, k = experts.shape
         # Sort the tokens*k (token, expert) slots by expert so each expert sees one contiguous run;
@@ -177,6 +180,7 @@ class MoE(nn.Module):
 
 
 # --- recipe part: this layer's tensor-parallel style ("moe" in llama.py's plan) ---------------
+
 
 def _tp_piece(module: nn.Module, name: str, dim: int, group) -> None:
     setattr(module, name, shard_parameter(getattr(module, name), "tp", Shard(dim), group))
@@ -229,5 +233,8 @@ class TensorParallelMoE(MoE):
         return comm.reduce_from(out, self.group)
 
 
-MOE_TP_STYLE = Style(MoE, "router replicated; each expert's (and the shared expert's) hidden dim split",
-                     lambda m, g, sp: TensorParallelMoE(m, g, sp))
+MOE_TP_STYLE = Style(
+    MoE,
+    "router replicated; each expert's (and the shared expert's) hidden dim split",
+    lambda m, g, sp: TensorParallelMoE(m, g, sp),
+)

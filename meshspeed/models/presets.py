@@ -10,33 +10,94 @@ from .config import ModelConfig
 # Stored as keyword dicts, not instances, so a caller mutating its config cannot change a preset.
 PRESETS: dict[str, dict] = {
     # Trains in seconds on a laptop CPU: byte vocabulary, ~0.46M parameters.
-    "tiny": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=384,
-                 max_seq_len=256),
+    "tiny": dict(
+        dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=384, max_seq_len=256
+    ),
     # tiny with 4 routed experts (top-2) and one shared expert in every layer.
-    "tiny-moe": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
-                     ffn_hidden=384, max_seq_len=256, n_experts=4, top_k=2, n_shared_experts=1,
-                     moe_ffn_hidden=128),
+    "tiny-moe": dict(
+        dim=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        ffn_hidden=384,
+        max_seq_len=256,
+        n_experts=4,
+        top_k=2,
+        n_shared_experts=1,
+        moe_ffn_hidden=128,
+    ),
     # ~25M parameters, still the byte vocabulary: a real run on one GPU in minutes.
-    "small": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=256,
-                  max_seq_len=1024),
+    "small": dict(
+        dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=256, max_seq_len=1024
+    ),
     # Meta Llama-3-8B: 8,030,261,248 parameters.
-    "llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                      multiple_of=1024, ffn_dim_multiplier=1.3, norm_eps=1e-5,
-                      rope_theta=500000.0, max_seq_len=8192),
+    "llama3-8b": dict(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
     # Meta Llama-3-70B: 70,553,706,496 parameters.
-    "llama3-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-                       multiple_of=4096, ffn_dim_multiplier=1.3, norm_eps=1e-5,
-                       rope_theta=500000.0, max_seq_len=8192),
+    "llama3-70b": dict(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
     # Mistral Mixtral-8x7B: 46,702,792,704 parameters (8 experts, top-2, no shared expert).
-    "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                         ffn_hidden=14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
-                         n_experts=8, top_k=2, router_softmax="after_topk"),
+    "mixtral-8x7b": dict(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        ffn_hidden=14336,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        n_experts=8,
+        top_k=2,
+        router_softmax="after_topk",
+    ),
     # Qwen2 family at tiny size (q/k/v biases, untied embeddings): tests and quick runs.
-    "tiny-qwen2": dict(family="qwen2", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
-                       ffn_hidden=384, norm_eps=1e-6, rope_theta=1e6, max_seq_len=256),
+    "tiny-qwen2": dict(
+        family="qwen2",
+        dim=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        ffn_hidden=384,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=256,
+    ),
     # Qwen2-7B: 7,615,616,512 parameters (28 layers, GQA 28/4, untied 152,064-token vocabulary).
-    "qwen2-7b": dict(family="qwen2", dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
-                     ffn_hidden=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768),
+    "qwen2-7b": dict(
+        family="qwen2",
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        vocab_size=152064,
+        ffn_hidden=18944,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=32768,
+    ),
 }
 
 
@@ -50,6 +111,8 @@ def get_preset(name: str, **overrides) -> ModelConfig:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
     unknown = sorted(set(overrides) - set(ModelConfig.field_names()))
     if unknown:
-        raise ValueError(f"unknown ModelConfig field(s) {', '.join(unknown)} overriding preset "
-                         f"{name!r}; valid fields: {', '.join(ModelConfig.field_names())}")
+        raise ValueError(
+            f"unknown ModelConfig field(s) {', '.join(unknown)} overriding preset "
+            f"{name!r}; valid fields: {', '.join(ModelConfig.field_names())}"
+        )
     return dataclasses.replace(ModelConfig(**PRESETS[name]), **overrides)

@@ -20,8 +20,9 @@ def recipe_for(config: ModelConfig) -> Recipe:
     return _RECIPES[config.family](config)
 
 
-def build_model(config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-                dtype: torch.dtype | None = None) -> torch.nn.Module:
+def build_model(
+    config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """The whole single-device model: constructed on the meta device (no memory, no wasted
     default init), materialised on `device`, then the seeded init. RoPE tables stay float32
     whatever `dtype`. (meshspeed.parallel.materialize builds a rank's shards instead.)"""

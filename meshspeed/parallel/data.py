@@ -76,8 +76,9 @@ class BucketSpec:
         return rank * n, (rank + 1) * n
 
 
-def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], bucket_numel: int, dp_size: int,
-                 align: int = ALIGN) -> list[BucketSpec]:
+def plan_buckets(
+    shapes: list[tuple[str, tuple[int, ...]]], bucket_numel: int, dp_size: int, align: int = ALIGN
+) -> list[BucketSpec]:
     """Pack (name, shape) in the given order into buckets of at most `bucket_numel` elements
     (a larger parameter gets a bucket of its own). Pure data: print it, test it."""
     buckets: list[BucketSpec] = []
@@ -142,9 +143,17 @@ class DataParallel:
     """Owns the flat buckets of `model`'s trainable parameters and reduces their gradients over
     `mesh[group]`. Not an nn.Module: the model keeps its own parameter names (FQNs)."""
 
-    def __init__(self, model: nn.Module, mesh, *, zero: int = 0, bucket_mb: float = 25.0,
-                 param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype = torch.float32,
-                 group: str = "dp"):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh,
+        *,
+        zero: int = 0,
+        bucket_mb: float = 25.0,
+        param_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype = torch.float32,
+        group: str = "dp",
+    ):
         if zero not in (0, 1, 2):
             raise comm.ConfigError(f"zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2")
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
@@ -153,10 +162,14 @@ class DataParallel:
             raise comm.ConfigError(f"data-parallel group={group!r}; valid: {', '.join(GROUPS)}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
-            raise comm.ConfigError("the model has no trainable parameters (requires_grad=True) to data-parallelise")
+            raise comm.ConfigError(
+                "the model has no trainable parameters (requires_grad=True) to data-parallelise"
+            )
         dtypes = {p.dtype for _, p in named}
         if param_dtype is None and len(dtypes) > 1:
-            raise comm.ConfigError(f"parameters have several dtypes {sorted(map(str, dtypes))}; pass param_dtype=")
+            raise comm.ConfigError(
+                f"parameters have several dtypes {sorted(map(str, dtypes))}; pass param_dtype="
+            )
         self.module, self.mesh, self.zero, self.group_name = model, mesh, zero, group
         self.group = mesh[group]
         self.param_dtype = param_dtype or next(iter(dtypes))
@@ -174,16 +187,19 @@ class DataParallel:
         self._gviews: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for b in self.buckets:
-                src = torch.zeros(b.spec.numel, dtype=torch.float32, device=device) \
-                    if self.param_dtype != torch.float32 else None
+                src = (
+                    torch.zeros(b.spec.numel, dtype=torch.float32, device=device)
+                    if self.param_dtype != torch.float32
+                    else None
+                )
                 for s in b.spec.slots:
                     p = self.params[s.name]
                     flat = p.detach().reshape(-1)
-                    b.data[s.offset:s.offset + s.numel].copy_(flat)
+                    b.data[s.offset : s.offset + s.numel].copy_(flat)
                     if src is not None:
-                        src[s.offset:s.offset + s.numel].copy_(flat)
-                    p.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
-                    self._gviews[s.name] = g = b.grad[s.offset:s.offset + s.numel].view(s.shape)
+                        src[s.offset : s.offset + s.numel].copy_(flat)
+                    p.data = b.data[s.offset : s.offset + s.numel].view(s.shape)
+                    self._gviews[s.name] = g = b.grad[s.offset : s.offset + s.numel].view(s.shape)
                     if self.views_grad:
                         p.grad = g
                     else:
@@ -191,7 +207,9 @@ class DataParallel:
                         p.main_grad = g
                 self._source.append(src)
                 if zero == 2 and self.group.size > 1:
-                    b.grad_shard = torch.zeros(b.spec.numel // self.group.size, dtype=grad_dtype, device=device)
+                    b.grad_shard = torch.zeros(
+                        b.spec.numel // self.group.size, dtype=grad_dtype, device=device
+                    )
         self.require_grad_sync = True
         self._marked: set[str] = set()
         self._next = 0  # next bucket to launch
@@ -270,11 +288,13 @@ class DataParallel:
                 raise RuntimeError(
                     f"meshspeed DataParallel: parameter {name} got a second gradient after its bucket was "
                     "reduced in this step. ---> HINT: run every micro-batch but the last inside "
-                    "dp.no_sync(), and call dp.finish_grad_sync() / opt.step() before the next backward")
+                    "dp.no_sync(), and call dp.finish_grad_sync() / opt.step() before the next backward"
+                )
             self._marked.add(name)
             b.ready += 1
-            while self._next < len(self.buckets) and \
-                    self.buckets[self._next].ready == len(self.buckets[self._next].spec.slots):
+            while self._next < len(self.buckets) and self.buckets[self._next].ready == len(
+                self.buckets[self._next].spec.slots
+            ):
                 self._launch(self._next, "launched_in_backward")
 
         return hook
@@ -317,7 +337,7 @@ class DataParallel:
         if b.grad_shard is None:
             return b.grad[lo:hi]
         base = self.dp_shard(i)[0]
-        return b.grad_shard[lo - base:hi - base]
+        return b.grad_shard[lo - base : hi - base]
 
     def master_source(self, i: int) -> torch.Tensor:
         """Full fp32 starting values of bucket i (for the optimizer's master weights)."""
@@ -357,9 +377,11 @@ class DataParallel:
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now (counted, not estimated)."""
-        return sum((0 if b.freed else b.nbytes) +
-                   (b.grad_shard.untyped_storage().nbytes() if b.grad_shard is not None else 0)
-                   for b in self.buckets)
+        return sum(
+            (0 if b.freed else b.nbytes)
+            + (b.grad_shard.untyped_storage().nbytes() if b.grad_shard is not None else 0)
+            for b in self.buckets
+        )
 
     def layout(self) -> str:
         """The bucket layout, one line per bucket."""
@@ -377,6 +399,8 @@ def tp_sharded(p: torch.Tensor) -> bool:
         return False
     others = [d for d, _ in sharding.axes if d != "tp"]
     if others:
-        raise comm.ConfigError(f"parameter split over {', '.join(others)} ({sharding}): gradient-norm "
-                               "accounting knows tensor-parallel splits only; extend meshspeed.parallel.data.tp_sharded")
+        raise comm.ConfigError(
+            f"parameter split over {', '.join(others)} ({sharding}): gradient-norm "
+            "accounting knows tensor-parallel splits only; extend meshspeed.parallel.data.tp_sharded"
+        )
     return True

@@ -51,8 +51,16 @@ class ZeroAdamW:
     call set_lr). step() finishes the gradient reduction first; zero_grad() zeros the buckets.
     """
 
-    def __init__(self, dp: DataParallel, *, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.0, no_decay=None):
+    def __init__(
+        self,
+        dp: DataParallel,
+        *,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        no_decay=None,
+    ):
         if not lr >= 0:
             raise comm.ConfigError(f"lr={lr!r} must be >= 0")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -60,8 +68,14 @@ class ZeroAdamW:
         if not eps > 0 or not weight_decay >= 0:
             raise comm.ConfigError(f"eps={eps!r} must be > 0 and weight_decay={weight_decay!r} >= 0")
         self.dp = dp
-        self.param_groups = [{"lr": float(lr), "betas": tuple(map(float, betas)), "eps": float(eps),
-                              "weight_decay": float(weight_decay)}]
+        self.param_groups = [
+            {
+                "lr": float(lr),
+                "betas": tuple(map(float, betas)),
+                "eps": float(eps),
+                "weight_decay": float(weight_decay),
+            }
+        ]
         self.step_count = 0
         no_decay = no_decay or default_no_decay
         decayed = {n for n, p in dp.params.items() if not no_decay(n, p)}
@@ -137,8 +151,10 @@ class ZeroAdamW:
         for i, b in enumerate(self.dp.buckets):
             full = self._full_state(i)
             for s in b.spec.slots:
-                out[s.name] = {k: full[j, s.offset:s.offset + s.numel].view(s.shape).clone()
-                               for j, k in enumerate(STATE_KEYS)}
+                out[s.name] = {
+                    k: full[j, s.offset : s.offset + s.numel].view(s.shape).clone()
+                    for j, k in enumerate(STATE_KEYS)
+                }
         out["__step__"] = self.step_count
         return out
 
@@ -150,17 +166,22 @@ class ZeroAdamW:
         names = set(dp.slots)
         given = {k for k in state if k != "__step__"}
         if names != given or "__step__" not in state:
-            raise KeyError(f"optimizer state does not match the model: missing {sorted(names - given)[:8]}, "
-                           f"unexpected {sorted(given - names)[:8]}, __step__ {'present' if '__step__' in state else 'missing'}")
+            raise KeyError(
+                f"optimizer state does not match the model: missing {sorted(names - given)[:8]}, "
+                f"unexpected {sorted(given - names)[:8]}, "
+                f"__step__ {'present' if '__step__' in state else 'missing'}"
+            )
         for i, (b, st) in enumerate(zip(dp.buckets, self.shards)):
             full = torch.zeros(3, b.spec.numel, dtype=torch.float32, device=b.data.device)
             for s in b.spec.slots:
                 for j, k in enumerate(STATE_KEYS):
                     t = state[s.name][k]
                     if tuple(t.shape) != s.shape:
-                        raise comm.ConfigError(f"optimizer state {s.name}.{k} has shape {list(t.shape)}, the "
-                                               f"parameter here has local shape {list(s.shape)}; reshard it first")
-                    full[j, s.offset:s.offset + s.numel].copy_(t.reshape(-1))
+                        raise comm.ConfigError(
+                            f"optimizer state {s.name}.{k} has shape {list(t.shape)}, the "
+                            f"parameter here has local shape {list(s.shape)}; reshard it first"
+                        )
+                    full[j, s.offset : s.offset + s.numel].copy_(t.reshape(-1))
             lo, hi = dp.opt_range(i)
             st.master.copy_(full[0, lo:hi])
             st.exp_avg.copy_(full[1, lo:hi])
@@ -185,24 +206,28 @@ class ZeroAdamW:
         if name is None:
             raise KeyError("reset_state_where: the tensor is not one of this optimizer's parameters")
         if tuple(where.shape) != tuple(param.shape):
-            raise ValueError(f"reset_state_where({name}): mask shape {list(where.shape)} != parameter "
-                             f"shape {list(param.shape)}")
+            raise ValueError(
+                f"reset_state_where({name}): mask shape {list(where.shape)} != parameter "
+                f"shape {list(param.shape)}"
+            )
         dp, s = self.dp, self.dp.slots[name]
         where = where.to(device=param.device, dtype=torch.bool)
         param.data.masked_fill_(where, 0)  # a view into the bucket: every rank's copy of the weight
         lo, hi = dp.opt_range(s.bucket)
         a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
         if a < b:  # the part of this parameter whose optimizer state this rank holds
-            sel = where.reshape(-1)[a - s.offset:b - s.offset]
+            sel = where.reshape(-1)[a - s.offset : b - s.offset]
             st = self.shards[s.bucket]
             for t in (st.master, st.exp_avg, st.exp_avg_sq):
-                t[a - lo:b - lo].masked_fill_(sel, 0)
+                t[a - lo : b - lo].masked_fill_(sel, 0)
         return int(where.sum())
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (fp32 masters it owns + both moments)."""
-        return sum(st.exp_avg.nbytes + st.exp_avg_sq.nbytes + (st.master.nbytes if st.owns_master else 0)
-                   for st in self.shards)
+        return sum(
+            st.exp_avg.nbytes + st.exp_avg_sq.nbytes + (st.master.nbytes if st.owns_master else 0)
+            for st in self.shards
+        )
 
 
 # ------------------------------------------------------------------------------ clipping
@@ -271,17 +296,29 @@ def clip_grad_norm_(target, max_norm: float, mesh, norm_type: float = 2.0) -> to
     return total
 
 
-def build_data_parallel(model: nn.Module, mesh, *, zero: int = 0, bucket_mb: float = 25.0,
-                        dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.float32,
-                        lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
-                        eps: float = 1e-8, no_decay=None, group: str = "dp"):
+def build_data_parallel(
+    model: nn.Module,
+    mesh,
+    *,
+    zero: int = 0,
+    bucket_mb: float = 25.0,
+    dtype: torch.dtype = torch.bfloat16,
+    grad_dtype: torch.dtype = torch.float32,
+    lr: float = 3e-4,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    no_decay=None,
+    group: str = "dp",
+):
     """Make `model` data parallel over mesh[group] and build its (ZeRO) AdamW.
 
     dtype: parameter storage and compute (bf16 default; fp32 for exactness checks). Master
     weights and AdamW moments are fp32 whatever it is; gradients are accumulated and reduced in
     grad_dtype (fp32 default). Returns (DataParallel, ZeroAdamW).
     """
-    dp = DataParallel(model, mesh, zero=zero, bucket_mb=bucket_mb, param_dtype=dtype,
-                      grad_dtype=grad_dtype, group=group)
+    dp = DataParallel(
+        model, mesh, zero=zero, bucket_mb=bucket_mb, param_dtype=dtype, grad_dtype=grad_dtype, group=group
+    )
     opt = ZeroAdamW(dp, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
     return dp, opt

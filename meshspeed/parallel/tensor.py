@@ -28,15 +28,24 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.comm.placement import Shard, chunk_bounds, shard_parameter
-from meshspeed.kernels.loss import cross_entropy_loss
 from meshspeed.comm.recipe import Recipe, Style, tie
+from meshspeed.kernels.loss import cross_entropy_loss
 from meshspeed.parallel.tensor_comm import gather_chunks_ad, vocab_parallel_cross_entropy
 from meshspeed.parallel.tensor_plan import TensorPlan
 
 __all__ = [
-    "STYLES", "ColumnParallelLinear", "RowParallelLinear", "SequenceParallel", "TensorPlan",
-    "VocabParallelEmbedding", "check_tp", "loss_fn", "model_loss", "parallelize",
-    "tp_plan", "vocab_parallel_cross_entropy",
+    "STYLES",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "SequenceParallel",
+    "TensorPlan",
+    "VocabParallelEmbedding",
+    "check_tp",
+    "loss_fn",
+    "model_loss",
+    "parallelize",
+    "tp_plan",
+    "vocab_parallel_cross_entropy",
 ]
 
 
@@ -49,7 +58,8 @@ def _check_seq(seq: int, group: comm.Group) -> None:
         raise comm.ConfigError(
             f"sequence parallelism needs the sequence length divisible by parallel.tp={group.size}, "
             f"got seq={seq}; pad the batch to a multiple of {group.size} or turn "
-            "sequence_parallel off")
+            "sequence_parallel off"
+        )
 
 
 class ColumnParallelLinear(nn.Module):
@@ -61,8 +71,14 @@ class ColumnParallelLinear(nn.Module):
     vocab_parallel_cross_entropy.
     """
 
-    def __init__(self, linear: nn.Linear, group: comm.Group, sequence_parallel: bool = False,
-                 gather_output: bool = False, vocab_parallel: bool = False):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: comm.Group,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        vocab_parallel: bool = False,
+    ):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.gather_output, self.vocab_parallel = gather_output, vocab_parallel
@@ -76,8 +92,10 @@ class ColumnParallelLinear(nn.Module):
         return gather_chunks_ad(y, self.group, -1, self.full_out_features) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.full_out_features}/{self.group.size}, "
-                f"sp={self.sequence_parallel}, vocab_parallel={self.vocab_parallel}")
+        return (
+            f"in={self.in_features}, out={self.full_out_features}/{self.group.size}, "
+            f"sp={self.sequence_parallel}, vocab_parallel={self.vocab_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -106,8 +124,10 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in={self.full_in_features}/{self.group.size}, out={self.out_features}, "
-                f"sp={self.sequence_parallel}")
+        return (
+            f"in={self.full_in_features}/{self.group.size}, out={self.out_features}, "
+            f"sp={self.sequence_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -137,8 +157,10 @@ class VocabParallelEmbedding(nn.Module):
         return comm.reduce_from(h, self.group)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}/{self.group.size}, {self.embedding_dim}, "
-                f"rows=[{self.vocab_start}, {self.vocab_end}), sp={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings}/{self.group.size}, {self.embedding_dim}, "
+            f"rows=[{self.vocab_start}, {self.vocab_end}), sp={self.sequence_parallel}"
+        )
 
 
 class SequenceParallel(nn.Module):
@@ -152,8 +174,10 @@ class SequenceParallel(nn.Module):
     def __init__(self, module: nn.Module, group: comm.Group):
         super().__init__()
         if any(True for _ in module.children()):
-            raise comm.ConfigError(f"sequence_norm applies to leaf modules (a norm); {type(module).__name__} "
-                                   "has submodules: point the plan entry at the leaf")
+            raise comm.ConfigError(
+                f"sequence_norm applies to leaf modules (a norm); {type(module).__name__} "
+                "has submodules: point the plan entry at the leaf"
+            )
         self.group = group
         object.__setattr__(self, "inner", module)  # not a child: its FQN prefix would change
         for name, p in module.named_parameters(recurse=False):
@@ -170,18 +194,31 @@ class SequenceParallel(nn.Module):
 # --- parallelize -------------------------------------------------------------------------
 
 STYLES: dict[str, Style] = {
-    "colwise": Style(nn.Linear, "output features split; input copied (all-gathered along seq with SP)",
-                     lambda m, g, sp: ColumnParallelLinear(m, g, sp)),
-    "rowwise": Style(nn.Linear, "input features split; output summed (reduce-scattered along seq with SP)",
-                     lambda m, g, sp: RowParallelLinear(m, g, sp)),
-    "colwise_vocab": Style(nn.Linear, "logits split over the vocabulary, kept sharded for the "
-                                      "vocab-parallel cross-entropy",
-                           lambda m, g, sp: ColumnParallelLinear(m, g, sp, vocab_parallel=True)),
-    "vocab_embedding": Style(nn.Embedding, "rows split over the vocabulary; output summed "
-                                           "(reduce-scattered along seq with SP)",
-                             lambda m, g, sp: VocabParallelEmbedding(m, g, sp)),
-    "sequence_norm": Style(nn.Module, "per-token module on the seq/tp shard with SP; replicated without",
-                           lambda m, g, sp: SequenceParallel(m, g) if sp else m),
+    "colwise": Style(
+        nn.Linear,
+        "output features split; input copied (all-gathered along seq with SP)",
+        lambda m, g, sp: ColumnParallelLinear(m, g, sp),
+    ),
+    "rowwise": Style(
+        nn.Linear,
+        "input features split; output summed (reduce-scattered along seq with SP)",
+        lambda m, g, sp: RowParallelLinear(m, g, sp),
+    ),
+    "colwise_vocab": Style(
+        nn.Linear,
+        "logits split over the vocabulary, kept sharded for the vocab-parallel cross-entropy",
+        lambda m, g, sp: ColumnParallelLinear(m, g, sp, vocab_parallel=True),
+    ),
+    "vocab_embedding": Style(
+        nn.Embedding,
+        "rows split over the vocabulary; output summed (reduce-scattered along seq with SP)",
+        lambda m, g, sp: VocabParallelEmbedding(m, g, sp),
+    ),
+    "sequence_norm": Style(
+        nn.Module,
+        "per-token module on the seq/tp shard with SP; replicated without",
+        lambda m, g, sp: SequenceParallel(m, g) if sp else m,
+    ),
     "replicate": Style(nn.Module, "left as is, with its whole subtree", lambda m, g, sp: m),
 }
 
@@ -206,8 +243,14 @@ def tp_plan(recipe: Recipe, plan=None) -> TensorPlan:
     return TensorPlan.of(plan if plan is not None else recipe.tp_plan, {**STYLES, **recipe.tp_styles})
 
 
-def parallelize(model: nn.Module, mesh, recipe: Recipe, *, sequence_parallel: bool = False,
-                plan: TensorPlan | dict | list | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh,
+    recipe: Recipe,
+    *,
+    sequence_parallel: bool = False,
+    plan: TensorPlan | dict | list | None = None,
+) -> nn.Module:
     """Make a single-device model (or a pipeline stage of one) tensor parallel, in place.
 
     mesh: a comm.Mesh (its "tp" group is used) or the tp Group itself. plan: the recipe's
@@ -219,8 +262,9 @@ def parallelize(model: nn.Module, mesh, recipe: Recipe, *, sequence_parallel: bo
     if group.size == 1:
         return model
     if any(comm.placement.sharding_of(p) is not None for p in model.parameters()):
-        raise comm.ConfigError("parallelize: the model is already tensor parallel; pass the "
-                               "single-device model")
+        raise comm.ConfigError(
+            "parallelize: the model is already tensor parallel; pass the single-device model"
+        )
     check_tp(group.size, recipe)
     plan = tp_plan(recipe, plan)
     for fqn, style in plan.assign(model):  # assign() validates the whole plan before any swap
@@ -233,6 +277,7 @@ def parallelize(model: nn.Module, mesh, recipe: Recipe, *, sequence_parallel: bo
 
 
 # --- loss ----------------------------------------------------------------------------------
+
 
 def loss_fn(model: nn.Module, plain=cross_entropy_loss):
     """`(logits, targets, ignore_index=-100) -> mean CE` for the model's output layout:
@@ -249,8 +294,15 @@ def loss_fn(model: nn.Module, plain=cross_entropy_loss):
     return plain
 
 
-def model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, *,
-               ignore_index: int = -100, aux: bool = True, plain=cross_entropy_loss) -> torch.Tensor:
+def model_loss(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    aux: bool = True,
+    plain=cross_entropy_loss,
+) -> torch.Tensor:
     """Training loss of `model` on (tokens, targets) whatever its layout: mean next-token CE
     (+ the MoE auxiliary losses when aux). The same value on every tensor-parallel rank."""
     loss = loss_fn(model, plain)(model(tokens), targets, ignore_index)

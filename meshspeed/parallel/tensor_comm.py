@@ -80,9 +80,13 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: comm.Group,
-                                 ignore_index: int = -100,
-                                 vocab_start: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    group: comm.Group,
+    ignore_index: int = -100,
+    vocab_start: int | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy of logits sharded along the vocabulary.
 
     logits [batch, seq, V_local] (this rank's torch.chunk piece of the vocabulary), targets
@@ -91,7 +95,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     the max all-reduce). Two all-reduces; the backward needs none. Same value on every rank.
     """
     if logits.shape[-1] == 0:
-        raise ValueError("vocab_parallel_cross_entropy: this rank holds no vocabulary "
-                         "(empty shard); use a tp that leaves every rank some of the vocabulary")
-    return _VocabParallelCE.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                  group, vocab_start, ignore_index)
+        raise ValueError(
+            "vocab_parallel_cross_entropy: this rank holds no vocabulary "
+            "(empty shard); use a tp that leaves every rank some of the vocabulary"
+        )
+    return _VocabParallelCE.apply(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), group, vocab_start, ignore_index
+    )

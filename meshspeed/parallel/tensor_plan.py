@@ -37,14 +37,17 @@ class TensorPlan:
         items = list(entries.items()) if isinstance(entries, Mapping) else [tuple(e) for e in entries]
         for pattern, style in items:
             if style not in styles:
-                raise ConfigError(f"tensor-parallel plan entry {pattern!r}: style {style!r} is "
-                                  f"unknown; valid: {', '.join(styles)}")
+                raise ConfigError(
+                    f"tensor-parallel plan entry {pattern!r}: style {style!r} is "
+                    f"unknown; valid: {', '.join(styles)}"
+                )
         self.entries: list[tuple[str, str]] = items
         self.styles = dict(styles)
 
     @classmethod
-    def of(cls, plan: "TensorPlan | Mapping[str, str] | Iterable[tuple[str, str]]",
-           styles: Mapping[str, Style]) -> "TensorPlan":
+    def of(
+        cls, plan: TensorPlan | Mapping[str, str] | Iterable[tuple[str, str]], styles: Mapping[str, Style]
+    ) -> TensorPlan:
         return plan if isinstance(plan, TensorPlan) else cls(plan, styles)
 
     def to_dict(self) -> dict[str, str]:
@@ -74,7 +77,8 @@ class TensorPlan:
                 raise ConfigError(
                     f"tensor-parallel plan entry {pattern!r}: {style!r} needs a "
                     f"{self.styles[style].applies_to.__name__} but matched {fqn} ({tname}); point it at "
-                    "the module the style applies to")
+                    "the module the style applies to"
+                )
         return out
 
     def explain(self, model: nn.Module) -> str:
@@ -94,4 +98,3 @@ class TensorPlan:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, TensorPlan) and self.entries == other.entries
-

@@ -11,10 +11,27 @@ with 2:4 sparse tensor-core kernels on CUDA, global schedules with per-layer ada
 from meshspeed.sparse.budget import adapter_ratios, erk_sparsities, layer_score, solve_budget
 from meshspeed.sparse.config import SparsityConfig, parse_pattern
 from meshspeed.sparse.controller import LayerUpdate, MaskController, UpdateRecord
-from meshspeed.sparse.convert import mask_for, report, report_rows, sparsify, sparsify_params, targets, unsparsify
+from meshspeed.sparse.convert import (
+    mask_for,
+    report,
+    report_rows,
+    sparsify,
+    sparsify_params,
+    targets,
+    unsparsify,
+)
 from meshspeed.sparse.cuda import PathDecision, decide_path
 from meshspeed.sparse.linear import SparseLinear, SparseLinearFunction
-from meshspeed.sparse.masks import density, flip_count, flip_rate, is_nm, keep_count, nm_mask, sparsity, topk_mask
+from meshspeed.sparse.masks import (
+    density,
+    flip_count,
+    flip_rate,
+    is_nm,
+    keep_count,
+    nm_mask,
+    sparsity,
+    topk_mask,
+)
 from meshspeed.sparse.params import MaskedWeightSTE, SparseParam
 from meshspeed.sparse.rigl import drop_grow, reset_regrown
 from meshspeed.sparse.schedule import SparsitySchedule, cosine_anneal

@@ -15,7 +15,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 
-def erk_sparsities(shapes: Mapping[str, Sequence[int]], sparsity: float, *, dense_names: Sequence[str] = ()) -> dict[str, float]:
+def erk_sparsities(
+    shapes: Mapping[str, Sequence[int]], sparsity: float, *, dense_names: Sequence[str] = ()
+) -> dict[str, float]:
     """Erdos-Renyi-Kernel per-layer sparsities for a global unstructured `sparsity` (RigL paper).
 
     Layer density is proportional to (sum of dims) / (product of dims) of its matrix, scaled by one
@@ -67,7 +69,8 @@ def solve_budget(
     if capacity < target * total - 1e-9 * total:
         raise ValueError(
             f"sparsity budget {target:.4f} cannot be met: with max_layer_sparsity={max_sparsity} and "
-            f"{sum(1 for k in names if ratios[k] <= 0)} layers held dense the most reachable is {capacity / total:.4f}; "
+            f"{sum(1 for k in names if ratios[k] <= 0)} layers held dense the most reachable is "
+            f"{capacity / total:.4f}; "
             "raise sparsity.max_layer_sparsity or lower sparsity.target"
         )
 
@@ -99,7 +102,9 @@ def layer_score(weight: torch.Tensor, kind: str) -> float | None:
     if kind == "sensitivity":
         # first-order Taylor estimate of the loss change from removing each weight (SNIP-like)
         return float((w.float() * grad.detach().float()).abs().mean())
-    raise ValueError(f"sparsity.adapter={kind!r} is not valid; expected none, magnitude, gradient or sensitivity")
+    raise ValueError(
+        f"sparsity.adapter={kind!r} is not valid; expected none, magnitude, gradient or sensitivity"
+    )
 
 
 def adapter_ratios(scores: Mapping[str, float | None], numels: Mapping[str, int]) -> dict[str, float]:

@@ -119,11 +119,19 @@ class SparsityConfig:
         if self.method not in METHODS:
             raise _bad("method", self.method, f"one of {METHODS}")
         if self.method in ("rigl", "set") and nm:
-            raise _bad("method", self.method, f"'magnitude' or 'sr-ste' with pattern {self.pattern} (rigl/set need 'unstructured')")
+            raise _bad(
+                "method",
+                self.method,
+                f"'magnitude' or 'sr-ste' with pattern {self.pattern} (rigl/set need 'unstructured')",
+            )
         if self.distribution not in DISTRIBUTIONS:
             raise _bad("distribution", self.distribution, f"one of {DISTRIBUTIONS}")
         if self.distribution == "erk" and nm:
-            raise _bad("distribution", self.distribution, f"'uniform' with pattern {self.pattern} (ERK needs 'unstructured')")
+            raise _bad(
+                "distribution",
+                self.distribution,
+                f"'uniform' with pattern {self.pattern} (ERK needs 'unstructured')",
+            )
         if self.adapter not in ADAPTERS:
             raise _bad("adapter", self.adapter, f"one of {ADAPTERS}")
         for key in ("ramp_steps", "update_interval"):
@@ -135,7 +143,11 @@ class SparsityConfig:
         if self.dense_finish_steps and self.total_steps is None:
             raise _bad("dense_finish_steps", self.dense_finish_steps, "0 unless total_steps is set")
         if self.total_steps is not None and self.total_steps <= self.warmup_steps + self.dense_finish_steps:
-            raise _bad("total_steps", self.total_steps, f"> warmup_steps + dense_finish_steps = {self.warmup_steps + self.dense_finish_steps}")
+            raise _bad(
+                "total_steps",
+                self.total_steps,
+                f"> warmup_steps + dense_finish_steps = {self.warmup_steps + self.dense_finish_steps}",
+            )
         if self.sr_ste_lambda is None:
             self.sr_ste_lambda = DEFAULT_SR_STE_LAMBDA if self.method == "sr-ste" else 0.0
         if self.sr_ste_lambda < 0:

@@ -47,20 +47,34 @@ class UpdateRecord:
 
 
 class MaskController:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: SparsityConfig,
-                 *, target_list: list | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        config: SparsityConfig,
+        *,
+        target_list: list | None = None,
+    ) -> None:
         """`target_list`: (name, target) pairs to drive instead of `targets(model)`, e.g. views of
         tensor-parallel shards as full weights (meshspeed.train.sparsity); same surface as a target."""
         self.model, self.optimizer, self.config = model, optimizer, config
         self.schedule = SparsitySchedule.from_config(config)
         self.targets = list(target_list) if target_list is not None else targets(model)
         if not self.targets:
-            raise ValueError("MaskController: the model has no sparse layers; call sparsify(model, config) first")
+            raise ValueError(
+                "MaskController: the model has no sparse layers; call sparsify(model, config) first"
+            )
         patterns = {t.nm for _, t in self.targets}
         if len(patterns) > 1:
-            raise ValueError(f"MaskController: layers mix patterns {patterns}; use one SparsityConfig.pattern per controller")
+            raise ValueError(
+                f"MaskController: layers mix patterns {patterns}; "
+                "use one SparsityConfig.pattern per controller"
+            )
         if patterns.pop() != config.nm:
-            raise ValueError(f"MaskController: layers were sparsified with another pattern than sparsity.pattern={config.pattern!r}")
+            raise ValueError(
+                "MaskController: layers were sparsified with another pattern than "
+                f"sparsity.pattern={config.pattern!r}"
+            )
         self.numels = {n: t.weight.numel() for n, t in self.targets}
         self.end_step = config.update_end_step
         if self.end_step is None and config.total_steps is not None:
@@ -157,7 +171,9 @@ class MaskController:
             t.set_mask(new)
             t.sr_ste_lambda = lam if levels[name] > 0 else 0.0
             flips = flip_count(old, new)
-            record.layers[name] = LayerUpdate(1.0 - float(new.sum()) / new.numel(), flips, flips / new.numel(), regrown)
+            record.layers[name] = LayerUpdate(
+                1.0 - float(new.sum()) / new.numel(), flips, flips / new.numel(), regrown
+            )
         total = sum(self.numels.values())
         record.sparsity = sum(self.numels[n] * u.sparsity for n, u in record.layers.items()) / total
         record.flip_rate = sum(u.flips for u in record.layers.values()) / total

@@ -22,7 +22,7 @@ from meshspeed.sparse.params import SparseParam, sparse_params_of
 from meshspeed.sparse.transposable import transposable_2to4_mask
 
 Filter = Union[str, "re.Pattern[str]", Callable[[str, nn.Module], bool], None]
-Target = Union[SparseLinear, SparseParam]
+Target = SparseLinear | SparseParam
 
 
 def _matcher(filter: Filter, default: str) -> Callable[[str, object], bool]:
@@ -64,7 +64,9 @@ def mask_for(target: Target, sparsity: float, *, scores: torch.Tensor | None = N
     return nm_mask(w, *target.nm, name=target.name, scores=scores)
 
 
-def static_sparsities(named: list[tuple[str, Target]], config: SparsityConfig, sparsity: float) -> dict[str, float]:
+def static_sparsities(
+    named: list[tuple[str, Target]], config: SparsityConfig, sparsity: float
+) -> dict[str, float]:
     """Per-target sparsity from the config's distribution alone (no adapter statistics)."""
     numels = {n: t.weight.numel() for n, t in named}
     if config.distribution == "erk":
@@ -83,9 +85,7 @@ def sparsify(model: nn.Module, config: SparsityConfig, filter: Filter = None) ->
     """
     match = _matcher(filter, config.layers)
     chosen = [
-        (fqn, mod)
-        for fqn, mod in model.named_modules()
-        if type(mod) is nn.Linear and fqn and match(fqn, mod)
+        (fqn, mod) for fqn, mod in model.named_modules() if type(mod) is nn.Linear and fqn and match(fqn, mod)
     ]
     if not chosen and isinstance(model, nn.Linear):
         raise ValueError("sparsify swaps submodules; wrap a bare nn.Linear in a container first")
@@ -117,7 +117,14 @@ def sparsify_params(model: nn.Module, config: SparsityConfig, filter: Filter) ->
         module = model.get_submodule(parent_name)
         if isinstance(module, SparseLinear) or pname in sparse_params_of(module):
             continue
-        sp = SparseParam(module, pname, nm=config.nm, transposable=config.use_transposable, sr_ste_lambda=config.sr_ste_lambda, name=fqn)
+        sp = SparseParam(
+            module,
+            pname,
+            nm=config.nm,
+            transposable=config.use_transposable,
+            sr_ste_lambda=config.sr_ste_lambda,
+            name=fqn,
+        )
         attached.append((fqn, sp))
     _initial_masks(attached, config)
     return [fqn for fqn, _ in attached]
@@ -142,8 +149,12 @@ def unsparsify(model: nn.Module, *, bake: bool = True) -> nn.Module:
             target.remove(bake=bake)
             continue
         if not fqn:
-            raise ValueError("unsparsify swaps submodules, but the model itself is a SparseLinear; wrap it in a container")
-        linear = nn.Linear(target.in_features, target.out_features, bias=target.bias is not None, device="meta")
+            raise ValueError(
+                "unsparsify swaps submodules, but the model itself is a SparseLinear; wrap it in a container"
+            )
+        linear = nn.Linear(
+            target.in_features, target.out_features, bias=target.bias is not None, device="meta"
+        )
         linear.weight, linear.bias = target.weight, target.bias
         if bake:
             with torch.no_grad():
@@ -177,7 +188,9 @@ def report(model: nn.Module) -> str:
     if not rows:
         return "no sparse layers"
     headers = ["name", "shape", "pattern", "sparsity", "path", "reason"]
-    cells = [[r["name"], r["shape"], r["pattern"], f"{r['sparsity']:.3f}", r["path"], r["reason"]] for r in rows]
+    cells = [
+        [r["name"], r["shape"], r["pattern"], f"{r['sparsity']:.3f}", r["path"], r["reason"]] for r in rows
+    ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]

@@ -16,7 +16,9 @@ from typing import NamedTuple
 import torch
 
 SPARSE = "sparse-2:4"  # forward and input-gradient matmuls on sparse tensor cores
-SPARSE_FWD = "sparse-2:4-fwd"  # forward sparse; input gradient dense-masked (mask not transposable / W^T misfit)
+SPARSE_FWD = (
+    "sparse-2:4-fwd"  # forward sparse; input gradient dense-masked (mask not transposable / W^T misfit)
+)
 DENSE_MASKED = "dense-masked"  # F.linear on weight * mask: same math, dense kernels
 DENSE = "dense"  # layer currently dense (warmup, dense finish, or not yet sparsified by the schedule)
 
@@ -48,7 +50,11 @@ def min_tile(backend: str, dtype: torch.dtype) -> tuple[int, int]:
     try:
         from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
 
-        cls = SparseSemiStructuredTensorCUSPARSELT if backend == "cusparselt" else SparseSemiStructuredTensorCUTLASS
+        cls = (
+            SparseSemiStructuredTensorCUSPARSELT
+            if backend == "cusparselt"
+            else SparseSemiStructuredTensorCUTLASS
+        )
         cfg = cls._DTYPE_SHAPE_CONSTRAINTS[dtype]
         return int(cfg.sparse_min_rows), int(cfg.sparse_min_cols)
     except (ImportError, AttributeError, KeyError):
@@ -83,7 +89,9 @@ def decide_path(
     `dtype` is the compute dtype (the autocast dtype when autocast is on, else the weight's).
     """
     if not enabled:
-        return PathDecision(DENSE, "layer dense: mask keeps every weight (warmup, dense finish, schedule or budget)")
+        return PathDecision(
+            DENSE, "layer dense: mask keeps every weight (warmup, dense finish, schedule or budget)"
+        )
     if nm is None:
         return PathDecision(DENSE_MASKED, "unstructured pattern")
     if nm != (2, 4):
@@ -98,7 +106,11 @@ def decide_path(
     if dtype not in _HALF:
         return PathDecision(DENSE_MASKED, f"dtype {str(dtype).replace('torch.', '')} not bf16/fp16")
     if input_dtype is not None and input_dtype != dtype:
-        return PathDecision(DENSE_MASKED, f"input dtype {str(input_dtype).replace('torch.', '')} differs from compute dtype {str(dtype).replace('torch.', '')}")
+        return PathDecision(
+            DENSE_MASKED,
+            f"input dtype {str(input_dtype).replace('torch.', '')} differs from compute dtype "
+            f"{str(dtype).replace('torch.', '')}",
+        )
     if not plain_weight:
         return PathDecision(DENSE_MASKED, "weight is a tensor subclass (e.g. DTensor), not a plain tensor")
     tile = min_tile(backend, dtype)
@@ -107,7 +119,9 @@ def decide_path(
     if misfit:
         return PathDecision(DENSE_MASKED, misfit)
     if not transposable:
-        return PathDecision(SPARSE_FWD, "input gradient dense-masked: mask not transposable (sparsity.transposable=false)")
+        return PathDecision(
+            SPARSE_FWD, "input gradient dense-masked: mask not transposable (sparsity.transposable=false)"
+        )
     # input gradient: compressed W^T [in, out]
     misfit = _fit(in_features, out_features, tile, "in_features", "out_features")
     if misfit:
@@ -144,8 +158,18 @@ class CompressedWeight:
         self.wt: torch.Tensor | None = None  # [in, out] compressed, or None
         self.rebuilds = 0
 
-    def get(self, weight: torch.Tensor, mask: torch.Tensor, mask_counter: int, dtype: torch.dtype, need_t: bool):
-        key = (weight.data_ptr(), weight._version, mask.data_ptr(), mask._version, mask_counter, dtype, need_t)
+    def get(
+        self, weight: torch.Tensor, mask: torch.Tensor, mask_counter: int, dtype: torch.dtype, need_t: bool
+    ):
+        key = (
+            weight.data_ptr(),
+            weight._version,
+            mask.data_ptr(),
+            mask._version,
+            mask_counter,
+            dtype,
+            need_t,
+        )
         if key != self.key:
             with torch.no_grad():
                 masked = (weight.to(dtype) * mask).contiguous()  # [out, in]

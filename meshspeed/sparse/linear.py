@@ -47,7 +47,7 @@ def _no_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False)
 
 
-def _refresh_after_load(module: "SparseLinear", incompatible_keys) -> None:
+def _refresh_after_load(module: SparseLinear, incompatible_keys) -> None:
     # load_state_dict copies into the mask buffer behind set_mask's back: refresh the cached state
     module._mask_changed()
 
@@ -139,7 +139,9 @@ class SparseLinear(nn.Module):
         if weight.dim() != 2:
             raise ValueError(f"SparseLinear needs a 2-D weight [out, in], got shape {tuple(weight.shape)}")
         if transposable and nm != (2, 4):
-            raise ValueError(f"transposable masks exist for 2:4 only, got pattern {nm}; set transposable=False")
+            raise ValueError(
+                f"transposable masks exist for 2:4 only, got pattern {nm}; set transposable=False"
+            )
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.bias = None if bias is None else (bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
@@ -154,7 +156,7 @@ class SparseLinear(nn.Module):
         self.register_load_state_dict_post_hook(_refresh_after_load)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> "SparseLinear":
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> SparseLinear:
         """Wrap an nn.Linear, reusing its Parameter objects (optimizers holding them keep working)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
@@ -167,14 +169,20 @@ class SparseLinear(nn.Module):
     def set_mask(self, mask: torch.Tensor, *, check: bool = True) -> None:
         """Install a new mask (bool, weight's shape). Checks the pattern unless check=False."""
         if mask.shape != self.weight.shape:
-            raise ValueError(f"{self.name or 'SparseLinear'}: mask shape {tuple(mask.shape)} != weight shape {tuple(self.weight.shape)}")
+            raise ValueError(
+                f"{self.name or 'SparseLinear'}: mask shape {tuple(mask.shape)} != weight shape "
+                f"{tuple(self.weight.shape)}"
+            )
         mask = mask.to(device=self.mask.device, dtype=torch.bool)
         all_kept = bool(mask.all())
         if check and not all_kept and self.nm is not None:
             ok = is_transposable_nm(mask, *self.nm) if self.transposable else is_nm(mask, *self.nm)
             if not ok:
                 kind = "transposable " if self.transposable else ""
-                raise ValueError(f"{self.name or 'SparseLinear'}: mask is not {kind}{self.nm[0]}:{self.nm[1]} (nor all ones)")
+                raise ValueError(
+                    f"{self.name or 'SparseLinear'}: mask is not {kind}{self.nm[0]}:{self.nm[1]} "
+                    "(nor all ones)"
+                )
         with torch.no_grad():
             self.mask.copy_(mask)
         self._mask_changed(all_kept)
@@ -189,7 +197,9 @@ class SparseLinear(nn.Module):
         return self.weight.detach() * self.mask
 
     # ---- path ---------------------------------------------------------------------------------
-    def decide(self, compute_dtype: torch.dtype | None = None, input_dtype: torch.dtype | None = None) -> cuda.PathDecision:
+    def decide(
+        self, compute_dtype: torch.dtype | None = None, input_dtype: torch.dtype | None = None
+    ) -> cuda.PathDecision:
         w = self.weight
         return cuda.decide_path(
             nm=self.nm,
@@ -217,7 +227,9 @@ class SparseLinear(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._all_kept:
-            self._decision = cuda.PathDecision(cuda.DENSE, "layer dense: mask keeps every weight (warmup, dense finish, schedule or budget)")
+            self._decision = cuda.PathDecision(
+                cuda.DENSE, "layer dense: mask keeps every weight (warmup, dense finish, schedule or budget)"
+            )
             return F.linear(x, self.weight, self.bias)
         ac_dtype = autocast_dtype(x.device.type)
         decision = self.decide(ac_dtype, None if ac_dtype is not None else x.dtype)
@@ -225,14 +237,19 @@ class SparseLinear(nn.Module):
         kernels = None
         if decision.path in (cuda.SPARSE, cuda.SPARSE_FWD):
             cdtype = ac_dtype or self.weight.dtype
-            w, wt = self._compressed.get(self.weight, self.mask, self.mask_version, cdtype, decision.path == cuda.SPARSE)
+            w, wt = self._compressed.get(
+                self.weight, self.mask, self.mask_version, cdtype, decision.path == cuda.SPARSE
+            )
             kernels = _Compressed(w, wt)
-        return SparseLinearFunction.apply(x, self.weight, self.bias, self.mask, self.sr_ste_lambda, ac_dtype, kernels)
+        return SparseLinearFunction.apply(
+            x, self.weight, self.bias, self.mask, self.sr_ste_lambda, ac_dtype, kernels
+        )
 
     def extra_repr(self) -> str:
         pattern = "unstructured" if self.nm is None else f"{self.nm[0]}:{self.nm[1]}"
         t = ", transposable" if self.transposable else ""
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, "
             f"pattern={pattern}{t}, sr_ste_lambda={self.sr_ste_lambda:g}"
         )

@@ -15,12 +15,15 @@ def _check_groups(shape: torch.Size, m: int, name: str) -> None:
     if len(shape) < 1 or shape[-1] % m:
         last = shape[-1] if len(shape) else None
         raise ValueError(
-            f"{name or 'weight'} of shape {tuple(shape)}: last (input) dim {last} is not a multiple of M={m}, "
+            f"{name or 'weight'} of shape {tuple(shape)}: last (input) dim {last} "
+            f"is not a multiple of M={m}, "
             f"so it cannot be split into {m}-wide groups; exclude this layer (sparsity.layers) or pad it"
         )
 
 
-def nm_mask(weight: torch.Tensor, n: int, m: int, *, name: str = "", scores: torch.Tensor | None = None) -> torch.Tensor:
+def nm_mask(
+    weight: torch.Tensor, n: int, m: int, *, name: str = "", scores: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keep the n largest-|weight| (or largest `scores`) of every m consecutive entries of the last dim.
 
     Ties are broken by topk (deterministic for a given tensor). Returns a bool mask of weight's shape.
@@ -43,7 +46,9 @@ def is_nm(mask: torch.Tensor, n: int, m: int) -> bool:
     return bool((mask.reshape(-1, m).sum(1) == n).all())
 
 
-def topk_mask(weight: torch.Tensor, sparsity: float, *, scores: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+def topk_mask(
+    weight: torch.Tensor, sparsity: float, *, scores: torch.Tensor | None = None, groups: int = 1
+) -> torch.Tensor:
     """Unstructured mask keeping exactly keep_count(numel/groups, sparsity) largest-|weight| entries
     in each of `groups` equal slices along dim 0 (groups=E gives every stacked expert its own budget).
     """

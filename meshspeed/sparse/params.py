@@ -60,7 +60,9 @@ class SparseParam:
         if not isinstance(param, nn.Parameter):
             raise ValueError(f"{name or param_name}: module has no parameter {param_name!r} to mask")
         if param.dim() < 2:
-            raise ValueError(f"{name or param_name}: masking needs a weight with >= 2 dims, got shape {tuple(param.shape)}")
+            raise ValueError(
+                f"{name or param_name}: masking needs a weight with >= 2 dims, got shape {tuple(param.shape)}"
+            )
         if transposable and nm != (2, 4):
             raise ValueError(f"{name or param_name}: transposable masks exist for 2:4 only, got pattern {nm}")
         self.module, self.param_name = module, param_name
@@ -94,13 +96,18 @@ class SparseParam:
 
     def set_mask(self, mask: torch.Tensor, *, check: bool = True) -> None:
         if mask.shape != self.weight.shape:
-            raise ValueError(f"{self.name}: mask shape {tuple(mask.shape)} != weight shape {tuple(self.weight.shape)}")
+            raise ValueError(
+                f"{self.name}: mask shape {tuple(mask.shape)} != weight shape {tuple(self.weight.shape)}"
+            )
         mask = mask.to(device=self.mask.device, dtype=torch.bool)
         all_kept = bool(mask.all())
         if check and not all_kept and self.nm is not None:
             ok = is_transposable_nm(mask, *self.nm) if self.transposable else is_nm(mask, *self.nm)
             if not ok:
-                raise ValueError(f"{self.name}: mask is not {'transposable ' if self.transposable else ''}{self.nm[0]}:{self.nm[1]} per expert")
+                raise ValueError(
+                    f"{self.name}: mask is not {'transposable ' if self.transposable else ''}"
+                    f"{self.nm[0]}:{self.nm[1]} per expert"
+                )
         with torch.no_grad():
             self.mask.copy_(mask)
         self.mask_version += 1

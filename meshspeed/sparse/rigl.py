@@ -63,7 +63,9 @@ def drop_grow_grouped(
     return out.reshape(mask.shape)
 
 
-def reset_regrown(weight: torch.nn.Parameter, regrown: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> int:
+def reset_regrown(
+    weight: torch.nn.Parameter, regrown: torch.Tensor, optimizer: torch.optim.Optimizer | None
+) -> int:
     """Zero regrown weights and every per-element optimizer state entry at those positions.
 
     Per-element state is any state tensor shaped like the parameter (Adam exp_avg, exp_avg_sq,

@@ -1,9 +1,9 @@
 """Global sparsity schedule: a pure function of the step, printable as data.
 
-    step < warmup                          -> 0 (dense)
-    warmup <= step < warmup + ramp         -> ramp from `initial` to `target` (constant: target at once)
-    step >= total_steps - dense_finish     -> 0 (dense finish)
-    otherwise                              -> target
+step < warmup                          -> 0 (dense)
+warmup <= step < warmup + ramp         -> ramp from `initial` to `target` (constant: target at once)
+step >= total_steps - dense_finish     -> 0 (dense finish)
+otherwise                              -> target
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class SparsitySchedule:
     dense_finish_steps: int = 0
 
     @classmethod
-    def from_config(cls, config: SparsityConfig) -> "SparsitySchedule":
+    def from_config(cls, config: SparsityConfig) -> SparsitySchedule:
         return cls(
             target=float(config.target),
             kind=config.schedule,
@@ -38,7 +38,11 @@ class SparsitySchedule:
 
     def phase(self, step: int) -> str:
         """'warmup', 'ramp', 'sparse' or 'dense-finish'."""
-        if self.total_steps is not None and self.dense_finish_steps and step >= self.total_steps - self.dense_finish_steps:
+        if (
+            self.total_steps is not None
+            and self.dense_finish_steps
+            and step >= self.total_steps - self.dense_finish_steps
+        ):
             return "dense-finish"
         if step < self.warmup_steps:
             return "warmup"

@@ -26,14 +26,17 @@ def check_shardable(
     d = dim % ndim
     size = shape[d]
     if world_size < 1 or size % world_size:
-        raise ValueError(f"{name}: dim {dim} of size {size} does not split evenly over tp degree {world_size}")
+        raise ValueError(
+            f"{name}: dim {dim} of size {size} does not split evenly over tp degree {world_size}"
+        )
     if nm is None:
         return
     m = nm[1]
     per_rank = size // world_size
     if d == ndim - 1 and per_rank % m:
         raise ValueError(
-            f"{name}: in_features {size} over tp degree {world_size} gives {per_rank} columns per rank, not a "
+            f"{name}: in_features {size} over tp degree {world_size} "
+            f"gives {per_rank} columns per rank, not a "
             f"multiple of M={m}, so an {nm[0]}:{m} group would straddle two ranks; use a tp degree dividing "
             f"{size // m} (the number of groups per row) or exclude the layer from sparsity.layers"
         )

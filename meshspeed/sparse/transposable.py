@@ -10,7 +10,7 @@ result is valid by construction because every candidate is valid.
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -20,7 +20,7 @@ from meshspeed.sparse.masks import is_nm
 _CHUNK_BLOCKS = 1 << 18
 
 
-@lru_cache(maxsize=None)
+@cache
 def _patterns_cpu() -> torch.Tensor:
     rows = [r for r in itertools.product((0, 1), repeat=4) if sum(r) == 2]  # 6 two-hot rows
     valid = []
@@ -46,7 +46,9 @@ def _from_blocks(blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return blocks.reshape(rows // 4, cols // 4, 4, 4).permute(0, 2, 1, 3).reshape(rows, cols)
 
 
-def transposable_2to4_mask(weight: torch.Tensor, *, name: str = "", scores: torch.Tensor | None = None) -> torch.Tensor:
+def transposable_2to4_mask(
+    weight: torch.Tensor, *, name: str = "", scores: torch.Tensor | None = None
+) -> torch.Tensor:
     """Block-optimal mask that is 2:4 along the last dim AND along the second-to-last dim.
 
     Leading dims (stacked experts [E, out, in]) are folded into rows; since out % 4 == 0 no 4x4
@@ -54,7 +56,8 @@ def transposable_2to4_mask(weight: torch.Tensor, *, name: str = "", scores: torc
     """
     if weight.dim() < 2 or weight.shape[-1] % 4 or weight.shape[-2] % 4:
         raise ValueError(
-            f"{name or 'weight'} of shape {tuple(weight.shape)}: a transposable 2:4 mask needs both of the last "
+            f"{name or 'weight'} of shape {tuple(weight.shape)}: "
+            "a transposable 2:4 mask needs both of the last "
             "two dims to be multiples of 4; set sparsity.transposable=false or exclude this layer"
         )
     s = (weight.detach().abs() if scores is None else scores.detach()).float()

@@ -66,8 +66,15 @@ from meshspeed.train.safetensors_io import read_safetensors, write_safetensors
 FORMAT = "meshspeed-checkpoint/1"
 META, STATE, RNG_DIR = "meta.json", "state.pt", "rng"
 
-__all__ = ["CheckpointError", "latest_checkpoint", "list_checkpoints",
-           "load_checkpoint", "read_safetensors", "save_checkpoint", "write_safetensors"]
+__all__ = [
+    "CheckpointError",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_safetensors",
+    "save_checkpoint",
+    "write_safetensors",
+]
 
 
 # -- what goes in ---------------------------------------------------------------------------
@@ -100,14 +107,18 @@ def _check_buffers(saved: dict, buffers: dict, specs: dict, path: str, strict: b
         key = f"model.{fqn}"
         if key not in saved:
             if strict:
-                raise CheckpointError(f"model buffer {fqn} is not in checkpoint {path}; it was saved from a model "
-                                      f"without it (e.g. a dense run, where this one has sparsity masks); pass "
-                                      f"strict=False to keep this model's values")
+                raise CheckpointError(
+                    f"model buffer {fqn} is not in checkpoint {path}; it was saved from a model "
+                    f"without it (e.g. a dense run, where this one has sparsity masks); pass "
+                    f"strict=False to keep this model's values"
+                )
             continue
         want, have = _full_shape(b, specs.get(fqn)), list(saved[key][0])
         if want != have:
-            raise CheckpointError(f"buffer {fqn} has shape {have} in checkpoint {path} but {want} in the model; "
-                                  f"the model config differs from the one that saved it")
+            raise CheckpointError(
+                f"buffer {fqn} has shape {have} in checkpoint {path} but {want} in the model; "
+                f"the model config differs from the one that saved it"
+            )
         out[fqn] = b
     return out
 
@@ -131,11 +142,15 @@ def _optimizer_tensors(per: dict, params: dict, specs: dict):
         p, spec = params[fqn], specs.get(fqn)
         for name, v in value.items():
             if not torch.is_tensor(v):
-                raise CheckpointError(f"optimizer state {fqn}.{name} is a {type(v).__name__}; per-parameter "
-                                      f"state holds tensors (contract 2), scalars go at the top level")
+                raise CheckpointError(
+                    f"optimizer state {fqn}.{name} is a {type(v).__name__}; per-parameter "
+                    f"state holds tensors (contract 2), scalars go at the top level"
+                )
             if spec is not None and v.dim() > 0 and v.shape != p.shape:
-                raise CheckpointError(f"optimizer state {fqn}.{name} has shape {list(v.shape)} but the parameter's "
-                                      f"local shard is {list(p.shape)}; contract 2 wants state in the local shape")
+                raise CheckpointError(
+                    f"optimizer state {fqn}.{name} has shape {list(v.shape)} but the parameter's "
+                    f"local shard is {list(p.shape)}; contract 2 wants state in the local shape"
+                )
             key = f"optim.{fqn}.{name}"
             tensors[key] = v
             if spec is not None and v.dim() > 0:
@@ -155,8 +170,10 @@ def _plain(obj, where: str):
     if type(obj) in (list, tuple):  # not a namedtuple: weights_only loading refuses those
         return type(obj)(_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
     if not isinstance(obj, _PLAIN):
-        raise ConfigError(f"{where} is a {type(obj).__name__}; checkpoints hold plain data (dict, list, tuple, str, "
-                          f"number, bool, None, tensor) so they load without unpickling code")
+        raise ConfigError(
+            f"{where} is a {type(obj).__name__}; checkpoints hold plain data (dict, list, tuple, str, "
+            f"number, bool, None, tensor) so they load without unpickling code"
+        )
     return obj
 
 
@@ -169,14 +186,20 @@ def _first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
 
 
 def _rng_state() -> dict:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
     return {"cpu": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     random.setstate(state["python"])
-    if state.get("cuda") is not None and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+    if (
+        state.get("cuda") is not None
+        and torch.cuda.is_available()
+        and len(state["cuda"]) == torch.cuda.device_count()
+    ):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -186,8 +209,18 @@ def _save_rng(directory: str, rank: int) -> None:
 
 
 # -- save -----------------------------------------------------------------------------------
-def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, scheduler_state=None, extra=None,
-                    config=None, keep: int | None = 3) -> str:
+def save_checkpoint(
+    run_dir: str,
+    step: int,
+    model,
+    optimizer,
+    mesh,
+    *,
+    scheduler_state=None,
+    extra=None,
+    config=None,
+    keep: int | None = 3,
+) -> str:
     """Collective over the world: save `run_dir/step-NNNNNN` atomically and return its path.
 
     `optimizer` (or None) follows contract 2. `scheduler_state`, `extra` and `config` are plain
@@ -199,8 +232,12 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, schedule
         raise ConfigError(f"checkpoint keep={keep} must be ≥ 1 (or None to keep every checkpoint)")
     if config is not None and hasattr(config, "to_dict"):
         config = config.to_dict()
-    state = {"step": int(step), "scheduler_state": _plain(scheduler_state, "scheduler_state"),
-             "extra": _plain(extra, "extra"), "config": _plain(config, "config")}
+    state = {
+        "step": int(step),
+        "scheduler_state": _plain(scheduler_state, "scheduler_state"),
+        "extra": _plain(extra, "extra"),
+        "config": _plain(config, "config"),
+    }
     ctx = mesh.ctx
     lead = ctx.rank == 0
     params, specs = _param_specs(model, mesh)
@@ -217,14 +254,27 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, schedule
     # A NaN that reached the weights or the optimizer must not become the newest checkpoint
     # (and, through pruning, the only one): refuse, on every rank.
     bad = _first_nonfinite(tensors)
-    refusal = CheckpointError(f"refusing to save checkpoint step {step}: {bad} holds non-finite values (NaN "
-                              f"or inf); the newest checkpoint is still the last good one") if bad else None
+    refusal = (
+        CheckpointError(
+            f"refusing to save checkpoint step {step}: {bad} holds non-finite values (NaN "
+            f"or inf); the newest checkpoint is still the last good one"
+        )
+        if bad
+        else None
+    )
     agree(mesh, refusal, f"saving checkpoint step {step}")
     # The tensor index is DCP's .metadata (the union of every rank's writes, pipeline stages
     # included); meta.json is for people and tools.
-    meta = {"format": FORMAT, "step": int(step), "time": time.time(), "world_size": ctx.world_size,
-            "layout": dataclasses.asdict(mesh.dims), "torch": torch.__version__,
-            "optimizer": optimizer is not None, "config": state["config"]}
+    meta = {
+        "format": FORMAT,
+        "step": int(step),
+        "time": time.time(),
+        "world_size": ctx.world_size,
+        "layout": dataclasses.asdict(mesh.dims),
+        "torch": torch.__version__,
+        "optimizer": optimizer is not None,
+        "config": state["config"],
+    }
     nonce = shared_nonce(mesh)
     final = os.path.join(run_dir, f"step-{step:06d}")
     tmp = f"{final}.tmp-{nonce}"
@@ -274,22 +324,33 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, mesh, *, schedule
 
 
 # -- load -----------------------------------------------------------------------------------
-def _check_params(saved: dict, params: dict, specs: dict, path: str, strict: bool, pp: int,
-                  buffers: dict | None = None) -> None:
-    saved = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.") and k[6:] not in (buffers or {})}
+def _check_params(
+    saved: dict, params: dict, specs: dict, path: str, strict: bool, pp: int, buffers: dict | None = None
+) -> None:
+    saved = {
+        k[len("model.") :]: v
+        for k, v in saved.items()
+        if k.startswith("model.") and k[6:] not in (buffers or {})
+    }
     for fqn, p in params.items():
         if fqn not in saved:
-            raise CheckpointError(f"model parameter {fqn} is not in checkpoint {path} "
-                                  f"({len(saved)} parameters saved); was it saved from a different model?")
+            raise CheckpointError(
+                f"model parameter {fqn} is not in checkpoint {path} "
+                f"({len(saved)} parameters saved); was it saved from a different model?"
+            )
         want, have = _full_shape(p, specs.get(fqn)), list(saved[fqn][0])
         if want != have:
-            raise CheckpointError(f"parameter {fqn} has shape {have} in checkpoint {path} but {want} in the model; "
-                                  f"the model config differs from the one that saved it")
+            raise CheckpointError(
+                f"parameter {fqn} has shape {have} in checkpoint {path} but {want} in the model; "
+                f"the model config differs from the one that saved it"
+            )
     if strict and pp == 1:  # a pipeline stage holds only some of the parameters
         unused = [k for k in saved if k not in params]
         if unused:
-            raise CheckpointError(f"checkpoint {path} holds {len(unused)} parameter(s) the model lacks, e.g. "
-                                  f"{unused[0]}; pass strict=False to ignore them")
+            raise CheckpointError(
+                f"checkpoint {path} holds {len(unused)} parameter(s) the model lacks, e.g. "
+                f"{unused[0]}; pass strict=False to ignore them"
+            )
 
 
 def _optimizer_buffers(saved: dict, params: dict, specs: dict, path: str):
@@ -302,13 +363,15 @@ def _optimizer_buffers(saved: dict, params: dict, specs: dict, path: str):
         prefix = f"optim.{fqn}."
         full = _full_shape(p, specs.get(fqn))
         for key, (shape, dtype) in saved.items():
-            name = key[len(prefix):]
+            name = key[len(prefix) :]
             if not key.startswith(prefix) or "." in name:  # "." : a longer FQN sharing the prefix
                 continue
             sharded = list(shape) == full and len(full) > 0
             if not sharded and len(shape) > 0:
-                raise CheckpointError(f"optimizer state {fqn}.{name} has shape {list(shape)} in checkpoint {path} "
-                                      f"but the parameter is {full}")
+                raise CheckpointError(
+                    f"optimizer state {fqn}.{name} has shape {list(shape)} in checkpoint {path} "
+                    f"but the parameter is {full}"
+                )
             where[key] = (fqn, name)
             tensors[key] = torch.empty(p.shape if sharded else shape, dtype=dtype, device=p.device)
             if sharded and fqn in specs:
@@ -321,13 +384,16 @@ def _load_plain(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise CheckpointError(f"{path} holds pickled objects a checkpoint never needs (code, or classes "
-                              f"beyond plain data and tensors); refused without running them (was the "
-                              f"file altered?)") from None
+        raise CheckpointError(
+            f"{path} holds pickled objects a checkpoint never needs (code, or classes "
+            f"beyond plain data and tensors); refused without running them (was the "
+            f"file altered?)"
+        ) from None
 
 
-def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, restore_rng: bool = True,
-                    verify: bool = True) -> dict:
+def load_checkpoint(
+    path: str, model, optimizer, mesh, *, strict: bool = True, restore_rng: bool = True, verify: bool = True
+) -> dict:
     """Collective over the world: restore model, optimizer, RNG from `path` (a checkpoint, or a
     run directory meaning its latest complete one), whatever layout saved it.
 
@@ -357,8 +423,10 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, r
     step = torch.tensor([int(meta["step"])], dtype=torch.int64, device=ctx.device)
     steps = comm.all_gather(step, mesh["world"]).tolist()
     if len(set(steps)) > 1:
-        raise CheckpointError(f"ranks resolved {path} to different checkpoints (steps {steps}); "
-                              f"is the run directory on a filesystem every rank sees?")
+        raise CheckpointError(
+            f"ranks resolved {path} to different checkpoints (steps {steps}); "
+            f"is the run directory on a filesystem every rank sees?"
+        )
 
     params, specs = _param_specs(model, mesh)
     buffers, bspecs = _buffer_specs(model)
@@ -373,8 +441,9 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, r
                 tspecs[f"model.{fqn}"] = bspecs[fqn]
         if optimizer is not None:
             if not meta.get("optimizer"):
-                raise CheckpointError(f"checkpoint {resolved} has no optimizer state; "
-                                      f"pass optimizer=None to load weights only")
+                raise CheckpointError(
+                    f"checkpoint {resolved} has no optimizer state; pass optimizer=None to load weights only"
+                )
             buffers, bspecs, where = _optimizer_buffers(saved, params, specs, resolved)
             tensors.update(buffers)
             tspecs.update(bspecs)
@@ -389,8 +458,10 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, r
     except io.CheckpointIOError as e:
         why = str(e).splitlines()[0]
         if "Weights only load failed" in str(e):  # torch.load(weights_only=True) met pickled code
-            why = ("a tensor file holds pickled objects a checkpoint never needs (code, or classes beyond "
-                   "tensors); refused without running them (was the file altered?)")
+            why = (
+                "a tensor file holds pickled objects a checkpoint never needs (code, or classes beyond "
+                "tensors); refused without running them (was the file altered?)"
+            )
         raise CheckpointError(f"loading checkpoint {resolved} failed: {why}") from None
     if optimizer is not None:
         per: dict = dict(state["optimizer"])
@@ -402,8 +473,14 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, strict: bool = True, r
     rng_ok = restore_rng and meta["world_size"] == ctx.world_size
     if rng_ok:
         _set_rng_state(_load_plain(os.path.join(resolved, RNG_DIR, f"rank-{ctx.rank:05d}.pt")))
-    return {"path": resolved, "step": state["step"], "scheduler_state": state["scheduler_state"],
-            "extra": state["extra"], "config": state["config"], "rng_restored": rng_ok}
+    return {
+        "path": resolved,
+        "step": state["step"],
+        "scheduler_state": state["scheduler_state"],
+        "extra": state["extra"],
+        "config": state["config"],
+        "rng_restored": rng_ok,
+    }
 
 
 # -- export ---------------------------------------------------------------------------------

@@ -24,8 +24,16 @@ COMPLETE = "COMPLETE"  # a step-N directory without it is not a checkpoint
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _STALE_RE = re.compile(r"^step-\d+\.(tmp|old)-[0-9a-f]+$")
 # What a run writes into run.dir besides checkpoints: what `run.overwrite` deletes.
-RUN_OUTPUTS = ("metrics.jsonl", "loss.png", "tb", "model.safetensors", "model.safetensors.index.json",
-               "pp_trace.json", "pp_trace.png", "pp_trace_sim.png")
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "loss.png",
+    "tb",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pp_trace.json",
+    "pp_trace.png",
+    "pp_trace_sim.png",
+)
 _RUN_OUTPUT_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -60,13 +68,19 @@ def resolve(path: str) -> str:
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if os.path.isfile(os.path.join(path, COMPLETE)):
         return path
-    if _STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.isfile(os.path.join(path, ".metadata")):
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker: its save did not "
-                              f"finish); load an earlier step or the run directory for the latest complete one")
+    if _STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.isfile(
+        os.path.join(path, ".metadata")
+    ):
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {COMPLETE} marker: its save did not "
+            f"finish); load an earlier step or the run directory for the latest complete one"
+        )
     latest = latest_checkpoint(path)
     if latest is None:
-        raise CheckpointError(f"no complete checkpoint in {path} to resume from (looked for step-NNNNNN/{COMPLETE}); "
-                              f"start without resuming or pass a checkpoint directory")
+        raise CheckpointError(
+            f"no complete checkpoint in {path} to resume from (looked for step-NNNNNN/{COMPLETE}); "
+            f"start without resuming or pass a checkpoint directory"
+        )
     return latest
 
 
@@ -135,8 +149,11 @@ def run_outputs(run_dir: str) -> list[str]:
     """Names in `run_dir` a previous run wrote (checkpoints, metrics, plots, exports)."""
     if not os.path.isdir(run_dir):
         return []
-    return sorted(n for n in os.listdir(run_dir)
-                  if _STEP_RE.match(n) or _STALE_RE.match(n) or n in RUN_OUTPUTS or _RUN_OUTPUT_RE.match(n))
+    return sorted(
+        n
+        for n in os.listdir(run_dir)
+        if _STEP_RE.match(n) or _STALE_RE.match(n) or n in RUN_OUTPUTS or _RUN_OUTPUT_RE.match(n)
+    )
 
 
 def check_fresh(run_dir: str) -> None:
@@ -144,9 +161,11 @@ def check_fresh(run_dir: str) -> None:
     found = [n for n in run_outputs(run_dir) if _STEP_RE.match(n) or n == "metrics.jsonl"]
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise ConfigError(f"run.dir={run_dir} already holds {shown} from an earlier run; continue it with "
-                          f"--checkpoint.resume latest (or auto), start over with --run.overwrite true, "
-                          f"or choose another --run.dir")
+        raise ConfigError(
+            f"run.dir={run_dir} already holds {shown} from an earlier run; continue it with "
+            f"--checkpoint.resume latest (or auto), start over with --run.overwrite true, "
+            f"or choose another --run.dir"
+        )
 
 
 def clear_run_dir(run_dir: str) -> list[str]:
@@ -178,12 +197,18 @@ def agree(mesh, err: BaseException | None, what: str) -> None:
         raise err  # already a one-line diagnosis
     if failed:
         why = f": {type(err).__name__}: {err}" if err is not None else f"; see rank {failed[0]}'s error"
-        raise echo(CheckpointError(f"{what} failed on rank{'s' if len(failed) > 1 else ''} "
-                                   f"{', '.join(map(str, failed))}{why}"), err is None) from err
+        raise echo(
+            CheckpointError(
+                f"{what} failed on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}{why}"
+            ),
+            err is None,
+        ) from err
 
 
 def shared_nonce(mesh) -> str:
-    t = torch.tensor([secrets.randbits(48) if mesh.ctx.rank == 0 else 0], dtype=torch.int64, device=mesh.ctx.device)
+    t = torch.tensor(
+        [secrets.randbits(48) if mesh.ctx.rank == 0 else 0], dtype=torch.int64, device=mesh.ctx.device
+    )
     comm.broadcast(t, mesh["world"], src=0)
     return f"{int(t.item()):012x}"
 

@@ -35,9 +35,12 @@ class ModelSection:
     dim: int = opt(0, "override the preset's hidden size (0 = keep)")
     n_heads: int = opt(0, "override the preset's attention heads (0 = keep)")
     n_kv_heads: int = opt(0, "override the preset's key/value heads (0 = keep)")
-    init_from: str = opt("", "start from this Hugging Face model directory (config.json + safetensors; "
-                             "each rank reads only its slices) or meshspeed checkpoint: architecture and "
-                             "weights come from it and model.preset is not used")
+    init_from: str = opt(
+        "",
+        "start from this Hugging Face model directory (config.json + safetensors; "
+        "each rank reads only its slices) or meshspeed checkpoint: architecture and "
+        "weights come from it and model.preset is not used",
+    )
 
     def overrides(self) -> dict:
         return {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads") if (v := getattr(self, k))}
@@ -51,19 +54,28 @@ class ParallelSection:
     sequence_parallel: bool = opt(False, "shard norm/dropout activations along the sequence over tp")
     zero: int = opt(0, "ZeRO stage: 0 off, 1 shard optimizer state, 2 also shard gradients", (0, 1, 2))
     bucket_mb: float = opt(25.0, "gradient bucket size for overlapped data-parallel reduction (MB)")
-    vpp: int = opt(1, "model chunks (virtual pipeline stages) per pipeline rank; ≥ 2 for the interleaved schedules")
-    pp_schedule: str = opt("1f1b", "pipeline schedule (see `meshspeed pipeline show --help`)", tuple(PP_SCHEDULES))
-    pp_layout: str = opt("", "layers per pipeline stage, e.g. 'E,t*8|t*8|t*8|t*7,L' or '8,8,8,7' (empty = even split)")
-    pp_trace: bool = opt(False, "record the last step's pipeline timeline: run.dir/pp_trace.json + PNGs, "
-                                "measured next to simulated")
+    vpp: int = opt(
+        1, "model chunks (virtual pipeline stages) per pipeline rank; ≥ 2 for the interleaved schedules"
+    )
+    pp_schedule: str = opt(
+        "1f1b", "pipeline schedule (see `meshspeed pipeline show --help`)", tuple(PP_SCHEDULES)
+    )
+    pp_layout: str = opt(
+        "", "layers per pipeline stage, e.g. 'E,t*8|t*8|t*8|t*7,L' or '8,8,8,7' (empty = even split)"
+    )
+    pp_trace: bool = opt(
+        False,
+        "record the last step's pipeline timeline: run.dir/pp_trace.json + PNGs, measured next to simulated",
+    )
 
 
 @dataclass
 class TrainSection:
     steps: int = opt(300, "optimizer steps")
     seed: int = opt(0, "seed for initialisation and data order (layout independent)")
-    dtype: str = opt("float32", "parameter/compute dtype; bfloat16 keeps fp32 master weights",
-                     ("float32", "bfloat16"))
+    dtype: str = opt(
+        "float32", "parameter/compute dtype; bfloat16 keeps fp32 master weights", ("float32", "bfloat16")
+    )
     global_batch_size: int = opt(16, "sequences per optimizer step, whatever the layout")
     micro_batch_size: int = opt(4, "sequences per forward/backward on one rank")
     seq_len: int = opt(128, "tokens per sequence")
@@ -76,10 +88,16 @@ class TrainSection:
     grad_clip: float = opt(1.0, "global gradient-norm clip (0 = off)")
     eval_interval: int = opt(50, "steps between validation-loss measurements (0 = only at the end)")
     eval_batches: int = opt(4, "validation batches (of global_batch_size sequences) per measurement")
-    exit_interval: int = opt(0, "save a checkpoint and exit when the step is a multiple of this, before "
-                                "train.steps (0 = never); resume later with --checkpoint.resume latest")
-    max_bad_steps: int = opt(5, "a step whose loss or gradient norm is not finite is skipped (no update, "
-                                "counted in metrics.jsonl); this many in a row stop the run with an error")
+    exit_interval: int = opt(
+        0,
+        "save a checkpoint and exit when the step is a multiple of this, before "
+        "train.steps (0 = never); resume later with --checkpoint.resume latest",
+    )
+    max_bad_steps: int = opt(
+        5,
+        "a step whose loss or gradient norm is not finite is skipped (no update, "
+        "counted in metrics.jsonl); this many in a row stop the run with an error",
+    )
 
 
 @dataclass
@@ -87,56 +105,91 @@ class DataSection:
     path: str = opt("", "text file/dir or token file; empty = the Python standard library's sources")
     format: str = opt("text", "how to read data.path", ("text", "uint16", "uint32"))
     max_mb: float = opt(8.0, "cap on the embedded corpus size (MB), to keep its first build quick")
-    tokenizer: str = opt("bytes", "'bytes' (token = byte, vocabulary 256) or a Hugging Face tokenizer: a "
-                                  "directory holding tokenizer.json, or the file; its vocabulary must fit the "
-                                  "model's")
+    tokenizer: str = opt(
+        "bytes",
+        "'bytes' (token = byte, vocabulary 256) or a Hugging Face tokenizer: a "
+        "directory holding tokenizer.json, or the file; its vocabulary must fit the "
+        "model's",
+    )
 
 
 @dataclass
 class RunSection:
     dir: str = opt("runs/tiny", "where metrics.jsonl, plots and checkpoints go")
     log_interval: int = opt(10, "steps between progress lines when the output is not a terminal")
-    timeout: float = opt(0.0, "seconds any collective on any group may wait before the run fails naming the "
-                              "missing ranks (0 = $MESHSPEED_TIMEOUT, else 300)")
-    overwrite: bool = opt(False, "start fresh in a run.dir that already holds checkpoints or metrics, "
-                                 "deleting them (without it such a run.dir is refused unless resuming); "
-                                 "after a torchrun restart it resumes instead: a restart never deletes "
-                                 "progress")
+    timeout: float = opt(
+        0.0,
+        "seconds any collective on any group may wait before the run fails naming the "
+        "missing ranks (0 = $MESHSPEED_TIMEOUT, else 300)",
+    )
+    overwrite: bool = opt(
+        False,
+        "start fresh in a run.dir that already holds checkpoints or metrics, "
+        "deleting them (without it such a run.dir is refused unless resuming); "
+        "after a torchrun restart it resumes instead: a restart never deletes "
+        "progress",
+    )
 
 
 @dataclass
 class CheckpointSection:
     interval: int = opt(0, "steps between checkpoints (0 = only at the end of training)")
-    resume: str = opt("", "resume from 'latest' (the newest checkpoint in run.dir that verifies; an "
-                          "error if none), 'auto' (the same, or a fresh start when run.dir has none: for "
-                          "restarts) or a checkpoint directory (an error if it does not verify)")
+    resume: str = opt(
+        "",
+        "resume from 'latest' (the newest checkpoint in run.dir that verifies; an "
+        "error if none), 'auto' (the same, or a fresh start when run.dir has none: for "
+        "restarts) or a checkpoint directory (an error if it does not verify)",
+    )
     keep: int = opt(3, "checkpoints to keep (older ones are deleted)")
     export_safetensors: bool = opt(False, "also export the final model to model.safetensors")
-    export_hf: bool = opt(False, "also export the final model as a Hugging Face directory run.dir/hf "
-                                 "(config.json, safetensors shards + index, the tokenizer's files) that "
-                                 "from_pretrained loads")
+    export_hf: bool = opt(
+        False,
+        "also export the final model as a Hugging Face directory run.dir/hf "
+        "(config.json, safetensors shards + index, the tokenizer's files) that "
+        "from_pretrained loads",
+    )
 
 
 @dataclass
 class SparsitySection:
-    pattern: str = opt("none", "sparse training: 'none' (dense), '2:4', 'unstructured' or any 'N:M' (1:4, 4:8...)")
-    target: float = opt(0.0, "global sparsity at the end of the ramp (0 = the pattern's: 1 - N/M, or 0.9 unstructured)")
-    schedule: str = opt("constant", "how the global target evolves after warmup", ("constant", "cosine", "cubic"))
+    pattern: str = opt(
+        "none", "sparse training: 'none' (dense), '2:4', 'unstructured' or any 'N:M' (1:4, 4:8...)"
+    )
+    target: float = opt(
+        0.0, "global sparsity at the end of the ramp (0 = the pattern's: 1 - N/M, or 0.9 unstructured)"
+    )
+    schedule: str = opt(
+        "constant", "how the global target evolves after warmup", ("constant", "cosine", "cubic")
+    )
     update_interval: int = opt(100, "steps between mask updates (RigL's delta T)")
-    method: str = opt("magnitude", "mask update: re-pick top |W|; RigL/SET drop-and-grow (unstructured only); "
-                                   "SR-STE decay of pruned weights", ("magnitude", "rigl", "set", "sr-ste"))
-    layers: str = opt("layers.*.w?", "weights to sparsify: comma-separated globs over linear-module / expert-weight "
-                                     "names, or 're:<regex>' (default: attention, MLP and expert projections)")
+    method: str = opt(
+        "magnitude",
+        "mask update: re-pick top |W|; RigL/SET drop-and-grow (unstructured only); "
+        "SR-STE decay of pruned weights",
+        ("magnitude", "rigl", "set", "sr-ste"),
+    )
+    layers: str = opt(
+        "layers.*.w?",
+        "weights to sparsify: comma-separated globs over linear-module / expert-weight "
+        "names, or 're:<regex>' (default: attention, MLP and expert projections)",
+    )
     warmup_steps: int = opt(0, "steps trained dense before masks apply")
     ramp_steps: int = opt(0, "length of the cosine/cubic ramp (0 = half of train.steps)")
     initial: float = opt(0.0, "sparsity where the cosine/cubic ramp starts")
     dense_finish_steps: int = opt(0, "last steps of training run dense again")
     distribution: str = opt("uniform", "per-layer unstructured sparsity before adapters", ("uniform", "erk"))
-    adapter: str = opt("none", "per-layer adapter moving sparsity between layers within the global budget",
-                       ("none", "magnitude", "gradient", "sensitivity"))
-    drop_fraction: float = opt(0.3, "RigL/SET: fraction of active weights dropped and regrown per update (cosine-annealed)")
+    adapter: str = opt(
+        "none",
+        "per-layer adapter moving sparsity between layers within the global budget",
+        ("none", "magnitude", "gradient", "sensitivity"),
+    )
+    drop_fraction: float = opt(
+        0.3, "RigL/SET: fraction of active weights dropped and regrown per update (cosine-annealed)"
+    )
     sr_ste_lambda: float = opt(-1.0, "SR-STE decay of pruned weights (< 0 = 2e-4 for method sr-ste, else 0)")
-    transposable: bool = opt(True, "2:4 masks that are 2:4 along both dims (sparse input-gradient matmul too)")
+    transposable: bool = opt(
+        True, "2:4 masks that are 2:4 along both dims (sparse input-gradient matmul too)"
+    )
 
 
 @dataclass
@@ -232,30 +285,47 @@ def load(path: str | None = None, overrides: list[tuple[str, str]] | None = None
 def validate(cfg: Config) -> None:
     """Checks that need no world size. World-size checks live in `resolve_layout`."""
     t, p, c = cfg.train, cfg.parallel, cfg.checkpoint
-    positive = [("train.steps", t.steps), ("train.global_batch_size", t.global_batch_size),
-                ("train.micro_batch_size", t.micro_batch_size), ("train.seq_len", t.seq_len),
-                ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.vpp", p.vpp), ("nproc", cfg.nproc)]
+    positive = [
+        ("train.steps", t.steps),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.seq_len", t.seq_len),
+        ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
+        ("parallel.vpp", p.vpp),
+        ("nproc", cfg.nproc),
+    ]
     for key, value in positive:
         if value < 1:
             raise ConfigError(f"{key}={value} must be ≥ 1")
-    for key, value in [("parallel.dp", p.dp), ("train.warmup_steps", t.warmup_steps), ("train.exit_interval", t.exit_interval),
-                       ("checkpoint.interval", c.interval), ("train.eval_interval", t.eval_interval),
-                       ("run.timeout", cfg.run.timeout)]:
+    for key, value in [
+        ("parallel.dp", p.dp),
+        ("train.warmup_steps", t.warmup_steps),
+        ("train.exit_interval", t.exit_interval),
+        ("checkpoint.interval", c.interval),
+        ("train.eval_interval", t.eval_interval),
+        ("run.timeout", cfg.run.timeout),
+    ]:
         if not value >= 0:
             raise ConfigError(f"{key}={value} must be ≥ 0")
     if t.max_bad_steps < 1:
-        raise ConfigError(f"train.max_bad_steps={t.max_bad_steps} must be ≥ 1 (the run stops after this "
-                          f"many non-finite steps in a row)")
+        raise ConfigError(
+            f"train.max_bad_steps={t.max_bad_steps} must be ≥ 1 (the run stops after this "
+            f"many non-finite steps in a row)"
+        )
     if cfg.run.overwrite and c.resume:
-        raise ConfigError(f"run.overwrite=true deletes what checkpoint.resume={c.resume!r} would load; "
-                          f"choose one of them")
+        raise ConfigError(
+            f"run.overwrite=true deletes what checkpoint.resume={c.resume!r} would load; choose one of them"
+        )
     if not t.lr > 0:
         raise ConfigError(f"train.lr={t.lr} must be > 0")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
     if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-                          f"train.micro_batch_size={t.micro_batch_size}")
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size}"
+        )
     if c.keep < 1:
         raise ConfigError(f"checkpoint.keep={c.keep} must be ≥ 1")
     if cfg.sparsity.pattern != "none":
@@ -269,37 +339,52 @@ def resolve_layout(cfg: Config, world_size: int) -> tuple[int, int]:
     p, t = cfg.parallel, cfg.train
     rest = p.tp * p.pp
     if world_size % rest:
-        raise ConfigError(f"parallel.tp={p.tp} × parallel.pp={p.pp} = {rest} does not divide the world size "
-                          f"{world_size}; use --nproc {rest * max(1, world_size // rest)} or smaller degrees")
+        raise ConfigError(
+            f"parallel.tp={p.tp} × parallel.pp={p.pp} = {rest} does not divide the world size "
+            f"{world_size}; use --nproc {rest * max(1, world_size // rest)} or smaller degrees"
+        )
     dp = p.dp or world_size // rest
     if dp * rest != world_size:
-        raise ConfigError(f"parallel.dp={p.dp} × tp={p.tp} × pp={p.pp} = {dp * rest} ranks, but the world size "
-                          f"is {world_size}; set parallel.dp={world_size // rest} (or 0 for automatic)")
+        raise ConfigError(
+            f"parallel.dp={p.dp} × tp={p.tp} × pp={p.pp} = {dp * rest} ranks, but the world size "
+            f"is {world_size}; set parallel.dp={world_size // rest} (or 0 for automatic)"
+        )
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         good = per_step * max(1, round(t.global_batch_size / per_step))
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size × dp "
-                          f"= {t.micro_batch_size} × {dp} = {per_step}; e.g. train.global_batch_size={good}")
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size × dp "
+            f"= {t.micro_batch_size} × {dp} = {per_step}; e.g. train.global_batch_size={good}"
+        )
     from meshspeed.train.pipeline import (
         check,  # schedule, microbatches, stage layout: before any worker starts
     )
+
     check(cfg, t.global_batch_size // per_step)
     return dp, t.global_batch_size // per_step
 
 
 def add_arguments(parser) -> None:
     """One `--section.key` option per field, with its help text, for argparse."""
-    parser.add_argument("--nproc", dest="nproc", default=None,
-                        help="local worker processes to spawn when not launched by torchrun (default 4)")
+    parser.add_argument(
+        "--nproc",
+        dest="nproc",
+        default=None,
+        help="local worker processes to spawn when not launched by torchrun (default 4)",
+    )
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"[{section}]")
         hints = _section_types(cls)
         for f in fields(cls):
             choices = f.metadata.get("choices")
             extra = f" ({'|'.join(map(str, choices))})" if choices else ""
-            group.add_argument(f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=None,
-                               metavar=hints[f.name].__name__.upper(),
-                               help=f"{f.metadata.get('help', '')}{extra} [default: {f.default}]")
+            group.add_argument(
+                f"--{section}.{f.name}",
+                dest=f"{section}.{f.name}",
+                default=None,
+                metavar=hints[f.name].__name__.upper(),
+                help=f"{f.metadata.get('help', '')}{extra} [default: {f.default}]",
+            )
 
 
 def overrides_from_args(args) -> list[tuple[str, str]]:

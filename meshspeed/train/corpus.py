@@ -67,18 +67,28 @@ class Corpus:
 
     def describe(self) -> str:
         files = f", {len(self.train_files)}+{len(self.val_files)} files" if self.train_files else ""
-        return (f"{self.source}: {self.train.numel():,} train + {self.val.numel():,} validation tokens "
-                f"({str(self.train.dtype).replace('torch.', '')}{files})")
+        return (
+            f"{self.source}: {self.train.numel():,} train + {self.val.numel():,} validation tokens "
+            f"({str(self.train.dtype).replace('torch.', '')}{files})"
+        )
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("MESHSPEED_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "meshspeed")
+    root = os.environ.get("MESHSPEED_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "meshspeed"
+    )
     return os.path.join(root, "corpus")
 
 
-def load_corpus(path: str | None = "", format: str = "text", *, max_mb: float = DEFAULT_MAX_MB,
-                val_fraction: float = DEFAULT_VAL_FRACTION, cache_dir: str | None = None,
-                use_cache: bool = True) -> Corpus:
+def load_corpus(
+    path: str | None = "",
+    format: str = "text",
+    *,
+    max_mb: float = DEFAULT_MAX_MB,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    cache_dir: str | None = None,
+    use_cache: bool = True,
+) -> Corpus:
     """The corpus for `data.path` / `data.format`. Empty path (or None, or "stdlib") = the
     standard library's sources capped at `max_mb` megabytes (10^6 bytes; 0 = no cap)."""
     if format not in FORMATS:
@@ -90,19 +100,25 @@ def load_corpus(path: str | None = "", format: str = "text", *, max_mb: float = 
     cache = (cache_dir or default_cache_dir()) if use_cache else None
     if not path or path == "stdlib":
         if format != "text":
-            raise DataError(f"data.format={format!r} needs data.path to name a token file; "
-                            "the built-in corpus (empty data.path) is text")
+            raise DataError(
+                f"data.format={format!r} needs data.path to name a token file; "
+                "the built-in corpus (empty data.path) is text"
+            )
         root, files = stdlib_files(max_mb)
         name = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
         return _text_corpus(root, files, name, f"python {sys.version.split()[0]} stdlib", val_fraction, cache)
     if not os.path.exists(path):
-        raise DataError(f"data.path={path!r} does not exist; give a text file, a directory of text files, "
-                        "a token file with data.format uint16/uint32, or leave it empty for the built-in corpus")
+        raise DataError(
+            f"data.path={path!r} does not exist; give a text file, a directory of text files, "
+            "a token file with data.format uint16/uint32, or leave it empty for the built-in corpus"
+        )
     if format in TOKEN_DTYPES:
         return token_file_corpus(path, format, val_fraction)
     if os.path.isfile(path) and path.endswith(".bin"):
-        raise DataError(f"data.path={path!r} looks like a token file but data.format=text; "
-                        "set data.format uint16 or uint32 (or rename the file to read it as text)")
+        raise DataError(
+            f"data.path={path!r} looks like a token file but data.format=text; "
+            "set data.format uint16 or uint32 (or rename the file to read it as text)"
+        )
     root, files = text_files(path)
     name = os.path.basename(os.path.normpath(os.path.abspath(path))) or "root"
     return _text_corpus(root, files, name, path, val_fraction, cache)
@@ -118,8 +134,10 @@ def stdlib_files(max_mb: float = DEFAULT_MAX_MB) -> tuple[str, list[tuple[str, i
         files += [os.path.join(dirpath, n) for n in names if n.endswith(".py")]
     listed = _stat(root, files)
     if not listed:
-        raise DataError(f"data.path is empty (built-in corpus) but this Python has no .py sources under {root}; "
-                        "set data.path to a text file or directory")
+        raise DataError(
+            f"data.path is empty (built-in corpus) but this Python has no .py sources under {root}; "
+            "set data.path to a text file or directory"
+        )
     cap = int(max_mb * 1e6)
     if cap <= 0:
         return root, listed
@@ -156,13 +174,15 @@ def _stat(root: str, paths: list[str]) -> list[tuple[str, int, int, int]]:
         except OSError:  # a dangling link
             continue
         if st.st_size and os.path.isfile(p):
-            out.append((os.path.relpath(p, root).replace(os.sep, "/"), st.st_size, st.st_mtime_ns, st.st_size))
+            out.append(
+                (os.path.relpath(p, root).replace(os.sep, "/"), st.st_size, st.st_mtime_ns, st.st_size)
+            )
     return sorted(out)
 
 
 def _path_hash(rel: str) -> float:
     """A stable number in [0, 1) per relative path (the same on every machine and Python)."""
-    return int.from_bytes(hashlib.blake2b(rel.encode(), digest_size=8).digest(), "big") / 2.0 ** 64
+    return int.from_bytes(hashlib.blake2b(rel.encode(), digest_size=8).digest(), "big") / 2.0**64
 
 
 def split_files(files: list[tuple[str, int]], val_fraction: float) -> set[str]:
@@ -181,7 +201,9 @@ def split_files(files: list[tuple[str, int]], val_fraction: float) -> set[str]:
 
 # --------------------------------------------------------------------------- text → bytes, cached
 def _text_corpus(root, files, name, source, val_fraction, cache_dir) -> Corpus:
-    key = hashlib.sha256(json.dumps([_CACHE_VERSION, sys.version, root, val_fraction, files]).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps([_CACHE_VERSION, sys.version, root, val_fraction, files]).encode()
+    ).hexdigest()
     base = os.path.join(cache_dir, f"{name}-{key[:20]}") if cache_dir else None
     if base is not None:
         hit = _read_cache(base, source)
@@ -205,8 +227,14 @@ def _text_corpus(root, files, name, source, val_fraction, cache_dir) -> Corpus:
                 return hit
     ftr, fva = io.BytesIO(), io.BytesIO()
     meta = _encode(root, files, val_fraction, ftr, fva)
-    return Corpus(_bytes_tensor(ftr.getvalue()), _bytes_tensor(fva.getvalue()), 256, source,
-                  tuple(meta["train_files"]), tuple(meta["val_files"]))
+    return Corpus(
+        _bytes_tensor(ftr.getvalue()),
+        _bytes_tensor(fva.getvalue()),
+        256,
+        source,
+        tuple(meta["train_files"]),
+        tuple(meta["val_files"]),
+    )
 
 
 def _encode(root, files, val_fraction, ftr, fva) -> dict:
@@ -240,12 +268,22 @@ def _read_cache(base: str, source: str) -> Corpus | None:
             n, p = meta[f"{split}_tokens"], f"{base}.{split}.bin"
             if os.path.getsize(p) != n:
                 return None
-            splits[split] = torch.from_file(p, shared=False, size=n, dtype=torch.uint8) if n else \
-                torch.empty(0, dtype=torch.uint8)
+            splits[split] = (
+                torch.from_file(p, shared=False, size=n, dtype=torch.uint8)
+                if n
+                else torch.empty(0, dtype=torch.uint8)
+            )
     except (OSError, ValueError, KeyError):
         return None
-    return Corpus(splits["train"], splits["val"], 256, source, tuple(meta["train_files"]),
-                  tuple(meta["val_files"]), base + ".train.bin")
+    return Corpus(
+        splits["train"],
+        splits["val"],
+        256,
+        source,
+        tuple(meta["train_files"]),
+        tuple(meta["val_files"]),
+        base + ".train.bin",
+    )
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
@@ -257,14 +295,18 @@ def token_file_corpus(path: str, format: str, val_fraction: float = DEFAULT_VAL_
     """Memory-map a flat uint16/uint32 token file; its last val_fraction of tokens validate."""
     dtype = TOKEN_DTYPES[format]
     if not os.path.isfile(path):
-        raise DataError(f"data.path={path!r} is a directory, but data.format={format} needs one token file; "
-                        "use data.format text to read a directory of text files")
+        raise DataError(
+            f"data.path={path!r} is a directory, but data.format={format} needs one token file; "
+            "use data.format text to read a directory of text files"
+        )
     itemsize = torch.empty(0, dtype=dtype).element_size()
     size = os.path.getsize(path)
     if size == 0 or size % itemsize:
-        raise DataError(f"data.path={path!r} has {size} bytes, not a whole, non-zero number of {format} tokens "
-                        f"({itemsize} bytes each); check data.format (text, uint16 or uint32)")
+        raise DataError(
+            f"data.path={path!r} has {size} bytes, not a whole, non-zero number of {format} tokens "
+            f"({itemsize} bytes each); check data.format (text, uint16 or uint32)"
+        )
     n = size // itemsize
     tokens = torch.from_file(path, shared=False, size=n, dtype=dtype)
     n_val = min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0
-    return Corpus(tokens[: n - n_val], tokens[n - n_val:], None, path)
+    return Corpus(tokens[: n - n_val], tokens[n - n_val :], None, path)

@@ -43,8 +43,11 @@ def _divisors(n: int) -> list[int]:
 
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
     """global ÷ (micro × dp), or one line naming the settings and values that would work."""
-    for key, value in (("train.global_batch_size", global_batch_size), ("train.micro_batch_size", micro_batch_size),
-                       ("parallel.dp", dp_size)):
+    for key, value in (
+        ("train.global_batch_size", global_batch_size),
+        ("train.micro_batch_size", micro_batch_size),
+        ("parallel.dp", dp_size),
+    ):
         if not isinstance(value, int) or value < 1:
             raise DataError(f"{key}={value!r} must be a positive integer")
     per_step = micro_batch_size * dp_size
@@ -54,14 +57,22 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp_size: i
         if global_batch_size % dp_size == 0:
             micros = _divisors(global_batch_size // dp_size)[:8]
             fix += f", or train.micro_batch_size in {{{', '.join(map(str, micros))}}}"
-        raise DataError(f"train.global_batch_size={global_batch_size} is not divisible by train.micro_batch_size × "
-                        f"parallel.dp = {micro_batch_size} × {dp_size} = {per_step}; use {fix}")
+        raise DataError(
+            f"train.global_batch_size={global_batch_size} is not divisible by train.micro_batch_size × "
+            f"parallel.dp = {micro_batch_size} × {dp_size} = {per_step}; use {fix}"
+        )
     return global_batch_size // per_step
 
 
-def load_tokens(path: str | None = "", format: str = "text", *, max_mb: float = DEFAULT_MAX_MB,
-                val_fraction: float = DEFAULT_VAL_FRACTION, cache_dir: str | None = None, tokenizer=None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def load_tokens(
+    path: str | None = "",
+    format: str = "text",
+    *,
+    max_mb: float = DEFAULT_MAX_MB,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    cache_dir: str | None = None,
+    tokenizer=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(train tokens, validation tokens) for `data.path` / `data.format`: `load_corpus` without
     the metadata. Text read with a Hugging Face `tokenizer` (data.tokenizer) is re-tokenized
     from the byte corpus (same files, same split); token files are already tokens."""
@@ -89,8 +100,9 @@ class _Batches:
 
     split = "train"
 
-    def __init__(self, tokens, seq_len: int, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int):
+    def __init__(
+        self, tokens, seq_len: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    ):
         self.accum_steps = accumulation_steps(global_batch_size, micro_batch_size, dp_size)
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside parallel.dp={dp_size}; use 0..{dp_size - 1}")
@@ -101,9 +113,15 @@ class _Batches:
             raise DataError(f"token array has dtype {self.tokens.dtype}; it must hold integers")
         n = self.tokens.numel()
         if n < seq_len + 1:
-            raise DataError(f"the {self.split} split has {n} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
-                            f"use a larger corpus (data.path, data.max_mb) or train.seq_len ≤ {max(1, n - 1)}")
-        self.seq_len, self.global_batch_size, self.micro_batch_size = seq_len, global_batch_size, micro_batch_size
+            raise DataError(
+                f"the {self.split} split has {n} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
+                f"use a larger corpus (data.path, data.max_mb) or train.seq_len ≤ {max(1, n - 1)}"
+            )
+        self.seq_len, self.global_batch_size, self.micro_batch_size = (
+            seq_len,
+            global_batch_size,
+            micro_batch_size,
+        )
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._offsets = torch.arange(seq_len + 1)
 
@@ -139,8 +157,16 @@ class GlobalBatchLoader(_Batches):
     `loader.step` and advances it (what `state_dict` records).
     """
 
-    def __init__(self, tokens, seq_len: int, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        tokens,
+        seq_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+    ):
         super().__init__(tokens, seq_len, global_batch_size, micro_batch_size, dp_rank, dp_size)
         self.seed, self.step = int(seed), 0
         self._n_windows = self.tokens.numel() - seq_len  # valid starts: 0 .. n - seq_len - 1
@@ -173,20 +199,32 @@ class ValidationLoader(_Batches):
 
     split = "validation"
 
-    def __init__(self, tokens, seq_len: int, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, max_batches: int | None = None):
+    def __init__(
+        self,
+        tokens,
+        seq_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        max_batches: int | None = None,
+    ):
         super().__init__(tokens, seq_len, global_batch_size, micro_batch_size, dp_rank, dp_size)
         windows = (self.tokens.numel() - 1) // seq_len
         if windows < global_batch_size:
-            raise DataError(f"the validation split has {self.tokens.numel()} tokens = {windows} windows of "
-                            f"train.seq_len={seq_len}, fewer than one train.global_batch_size={global_batch_size}; "
-                            "use a larger corpus (data.max_mb), a smaller seq_len or global batch")
+            raise DataError(
+                f"the validation split has {self.tokens.numel()} tokens = {windows} windows of "
+                f"train.seq_len={seq_len}, fewer than one train.global_batch_size={global_batch_size}; "
+                "use a larger corpus (data.max_mb), a smaller seq_len or global batch"
+            )
         self.num_batches = windows // global_batch_size
         if max_batches is not None:
             if not 1 <= max_batches <= self.num_batches:
-                raise DataError(f"train.eval_batches={max_batches} but the validation split holds "
-                                f"{self.num_batches} batches of train.global_batch_size={global_batch_size} × "
-                                f"train.seq_len={seq_len}; use 1..{self.num_batches} or a larger corpus (data.max_mb)")
+                raise DataError(
+                    f"train.eval_batches={max_batches} but the validation split holds "
+                    f"{self.num_batches} batches of train.global_batch_size={global_batch_size} × "
+                    f"train.seq_len={seq_len}; use 1..{self.num_batches} or a larger corpus (data.max_mb)"
+                )
             self.num_batches = max_batches
 
     def batches(self, step: int) -> list[MicroBatch]:

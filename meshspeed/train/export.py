@@ -33,8 +33,9 @@ def weight_masks(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_safetensors(model, mesh, path: str, *, dtype: torch.dtype | None = None,
-                       metadata: dict[str, str] | None = None) -> list[str]:
+def export_safetensors(
+    model, mesh, path: str, *, dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None
+) -> list[str]:
     """Collective over the world: write the full (unsharded) model as safetensors; returns the files.
 
     One file at `path` when pp=1. With pipeline stages, each stage's first rank writes

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import torch
 

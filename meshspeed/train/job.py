@@ -48,16 +48,23 @@ def prepare_run_dir(cfg: config_mod.Config, *, lead: bool) -> None:
     if run.overwrite and restart_count() > 0:
         run.overwrite, ck.resume = False, "auto"  # never delete the progress a restart resumes
         if lead:
-            print(f"meshspeed: torchrun restart {restart_count()}: resuming in {run.dir} instead of "
-                  f"overwriting it", file=sys.stderr, flush=True)
+            print(
+                f"meshspeed: torchrun restart {restart_count()}: resuming in {run.dir} instead of "
+                f"overwriting it",
+                file=sys.stderr,
+                flush=True,
+            )
     if ck.resume:
         return
     if run.overwrite:
         if lead:
             removed = clear_run_dir(run.dir)
             if removed:
-                print(f"meshspeed: run.overwrite=true: deleted {len(removed)} earlier output(s) in {run.dir}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"meshspeed: run.overwrite=true: deleted {len(removed)} earlier output(s) in {run.dir}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return
     check_fresh(run.dir)
 
@@ -66,8 +73,10 @@ def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
     p = trainer.mesh.dims
     n = sum(x.numel() for x in trainer.model.parameters())
     pp = f"pp {p.pp} × " if p.pp > 1 else ""
-    print(f"\nmeshspeed train: {cfg.model.preset} ({n:,} local params) on {trainer.ctx.world_size} ranks: "
-          f"{pp}dp {p.dp} × tp {p.tp}, zero {cfg.parallel.zero}, {cfg.train.dtype}")
+    print(
+        f"\nmeshspeed train: {cfg.model.preset} ({n:,} local params) on {trainer.ctx.world_size} ranks: "
+        f"{pp}dp {p.dp} × tp {p.tp}, zero {cfg.parallel.zero}, {cfg.train.dtype}"
+    )
     if s["final_loss"] is not None:
         val = f", val loss {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
         print(f"  final train loss {s['final_loss']:.4f}{val}")

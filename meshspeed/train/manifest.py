@@ -57,8 +57,11 @@ def _walk(root: str) -> list[str]:
 
 def own_files(root: str, rank: int) -> list[str]:
     """The files rank `rank` wrote in a checkpoint being saved: its DCP shards and RNG state."""
-    return [rel for rel in _walk(root)
-            if (rel.startswith(f"__{rank}_") and rel.endswith(".distcp")) or rel == f"rng/rank-{rank:05d}.pt"]
+    return [
+        rel
+        for rel in _walk(root)
+        if (rel.startswith(f"__{rank}_") and rel.endswith(".distcp")) or rel == f"rng/rank-{rank:05d}.pt"
+    ]
 
 
 def write_part(root: str, rank: int) -> None:
@@ -102,9 +105,14 @@ def read_manifest(root: str) -> dict[str, dict]:
     except (OSError, ValueError) as e:
         raise ValueError(f"its {MANIFEST} is unreadable ({type(e).__name__}: {e})") from None
     files = data.get("files") if isinstance(data, dict) else None
-    if data.get("format") != FORMAT or not isinstance(files, dict) or not all(
+    if (
+        data.get("format") != FORMAT
+        or not isinstance(files, dict)
+        or not all(
             isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
-            for v in files.values()):
+            for v in files.values()
+        )
+    ):
         raise ValueError(f"its {MANIFEST} is not a {FORMAT} manifest")
     for rel in files:
         if rel.startswith("/") or ".." in rel.split("/"):

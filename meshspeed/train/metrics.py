@@ -35,7 +35,9 @@ def _fmt(v, spec: str) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, total_steps: int, enabled: bool, log_interval: int = 10, resume_step: int = 0):
+    def __init__(
+        self, run_dir: str, total_steps: int, enabled: bool, log_interval: int = 10, resume_step: int = 0
+    ):
         self.enabled, self.total, self.log_interval = enabled, total_steps, log_interval
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tty = sys.stderr.isatty()
@@ -86,8 +88,10 @@ class MetricsLogger:
         width = 24
         filled = int(width * step / self.total)
         loss = _fmt(row["loss"], ".4f")
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} loss {loss}{val} "
-                f"lr {row['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {eta:4.0f}s")
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} loss {loss}{val} "
+            f"lr {row['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {eta:4.0f}s"
+        )
         if self.tty:
             print(f"\r{line}", end="\n" if step == self.total else "", file=sys.stderr, flush=True)
         elif step % self.log_interval == 0 or step == self.total or "val_loss" in row:
@@ -110,8 +114,12 @@ class MetricsLogger:
             return None
         fig, ax = plt.subplots(figsize=(8, 4.5))
         nan = float("nan")  # a skipped step's null loss: a gap in the curve
-        ax.plot([r["step"] for r in self.rows], [nan if r["loss"] is None else r["loss"] for r in self.rows],
-                label="train", linewidth=1)
+        ax.plot(
+            [r["step"] for r in self.rows],
+            [nan if r["loss"] is None else r["loss"] for r in self.rows],
+            label="train",
+            linewidth=1,
+        )
         val = [r for r in self.rows if r.get("val_loss") is not None]
         if val:
             ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")

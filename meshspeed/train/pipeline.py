@@ -16,11 +16,11 @@ import torch
 
 from meshspeed.comm import ConfigError
 from meshspeed.models import recipe_for
-from meshspeed.train.hf_io import init_from
-from meshspeed.train.model_source import preset_config
 from meshspeed.parallel.pipeline.actions import ScheduleError
 from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 from meshspeed.parallel.pipeline.validate import validate
+from meshspeed.train.hf_io import init_from
+from meshspeed.train.model_source import preset_config
 
 
 def model_config(cfg):
@@ -41,27 +41,39 @@ def check(cfg, microbatches: int) -> None:
     if p.pp == 1:
         for key, value, default in (("vpp", p.vpp, 1), ("pp_layout", p.pp_layout, "")):
             if value != default:
-                raise ConfigError(f"parallel.{key}={value!r} needs parallel.pp > 1 (pipeline stages); "
-                                  f"set --parallel.pp 2 or leave parallel.{key} at {default!r}")
+                raise ConfigError(
+                    f"parallel.{key}={value!r} needs parallel.pp > 1 (pipeline stages); "
+                    f"set --parallel.pp 2 or leave parallel.{key} at {default!r}"
+                )
         return
     key = f"parallel.pp_schedule={p.pp_schedule}"
     try:
         fn = get_schedule(p.pp_schedule)
         if fn.interleaved and p.vpp < 2:
-            raise ScheduleError(f"needs parallel.vpp >= 2 model chunks per rank (got vpp={p.vpp}); "
-                                f"set --parallel.vpp 2 or use --parallel.pp_schedule 1f1b")
+            raise ScheduleError(
+                f"needs parallel.vpp >= 2 model chunks per rank (got vpp={p.vpp}); "
+                f"set --parallel.vpp 2 or use --parallel.pp_schedule 1f1b"
+            )
         if not fn.interleaved and p.vpp != 1:
-            raise ScheduleError(f"runs one model chunk per rank but parallel.vpp={p.vpp}; use --parallel.vpp 1 or "
-                                f"--parallel.pp_schedule interleaved")
+            raise ScheduleError(
+                f"runs one model chunk per rank but parallel.vpp={p.vpp}; use --parallel.vpp 1 or "
+                f"--parallel.pp_schedule interleaved"
+            )
         schedule = build_schedule(p.pp_schedule, p.pp, p.vpp, microbatches)
         validate(schedule, p.pp, p.vpp, microbatches, split=fn.split_backward)
     except ScheduleError as e:
         msg = str(e).split(": ", 1)[1] if str(e).startswith(p.pp_schedule + ":") else str(e)
         per = cfg.train.global_batch_size // microbatches
         # the schedule's own hint is in microbatches; the trainer's knob is the global batch
-        msg = re.sub(r"use e\.g\. --microbatches (\d+)", lambda h: f"e.g. train.global_batch_size={int(h.group(1)) * per}", msg)
-        raise ConfigError(f"{key} with {microbatches} microbatches (train.global_batch_size / (micro_batch_size × dp) "
-                          f"= {cfg.train.global_batch_size} / {per}): {msg}") from None
+        msg = re.sub(
+            r"use e\.g\. --microbatches (\d+)",
+            lambda h: f"e.g. train.global_batch_size={int(h.group(1)) * per}",
+            msg,
+        )
+        raise ConfigError(
+            f"{key} with {microbatches} microbatches (train.global_batch_size / (micro_batch_size × dp) "
+            f"= {cfg.train.global_batch_size} / {per}): {msg}"
+        ) from None
     stage_layouts(recipe_for(model_config(cfg)), p.pp, p.vpp, p.pp_layout)  # raises ConfigError lines
 
 
@@ -74,12 +86,26 @@ class TrainerPipeline:
 
         p, t = cfg.parallel, cfg.train
         self.cfg, self.mesh = cfg, mesh
-        self.stages = build_stages(recipe, mesh, vpp=p.vpp, layout=p.pp_layout, seed=t.seed, device=device,
-                                   sequence_parallel=p.sequence_parallel)
+        self.stages = build_stages(
+            recipe,
+            mesh,
+            vpp=p.vpp,
+            layout=p.pp_layout,
+            seed=t.seed,
+            device=device,
+            sequence_parallel=p.sequence_parallel,
+        )
         self.model = self.stages.model
-        self.runtime = PipelineRuntime(self.stages, mesh, p.pp_schedule, microbatches,
-                                       micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
-                                       sequence_parallel=p.sequence_parallel, trace=p.pp_trace)
+        self.runtime = PipelineRuntime(
+            self.stages,
+            mesh,
+            p.pp_schedule,
+            microbatches,
+            micro_batch_size=t.micro_batch_size,
+            seq_len=t.seq_len,
+            sequence_parallel=p.sequence_parallel,
+            trace=p.pp_trace,
+        )
         self.trace_files: dict | None = None
 
     def train_step(self, micro, dp, step: int) -> torch.Tensor:

@@ -51,8 +51,10 @@ def _number(flag: str, value) -> float:
     except (TypeError, ValueError):
         x = float("nan")
     if not 0 <= x < math.inf:  # also NaN
-        raise DataError(f"{flag}={value!r} is not a number ≥ 0; give megabytes of text to read, e.g. "
-                        f"{DEFAULT_MAX_MB:g} (0 = no cap)")
+        raise DataError(
+            f"{flag}={value!r} is not a number ≥ 0; give megabytes of text to read, e.g. "
+            f"{DEFAULT_MAX_MB:g} (0 = no cap)"
+        )
     return x
 
 
@@ -79,8 +81,10 @@ def _sources(input: str, max_mb, out: str) -> tuple[str, list, str]:
         return root, files, "the Python standard library's sources"
     cap = 0.0 if max_mb is None else _number("--max-mb", max_mb)
     if not os.path.exists(input):
-        raise DataError(f"--input={input!r} does not exist; give a text file or a directory of text files, "
-                        "or leave --input out for the Python standard library's sources")
+        raise DataError(
+            f"--input={input!r} does not exist; give a text file or a directory of text files, "
+            "or leave --input out for the Python standard library's sources"
+        )
     try:
         root, files = text_files(input)
     except DataError:
@@ -98,8 +102,10 @@ def _read(root: str, rel: str, take: int, input: str) -> bytes:
         with open(os.path.join(root, rel), "rb") as src:
             return src.read(take)
     except OSError as e:  # not --out's fault: name the input file
-        raise DataError(f"--input={input or 'stdlib'!r}: cannot read {rel} ({e.strerror or e}); "
-                        "point --input at readable text files") from None
+        raise DataError(
+            f"--input={input or 'stdlib'!r}: cannot read {rel} ({e.strerror or e}); "
+            "point --input at readable text files"
+        ) from None
 
 
 def _tokenizer(spec: str):
@@ -124,24 +130,33 @@ def _encode(data: bytes, tok, itemsize: int) -> bytes:
     return ids.tobytes()
 
 
-def prepare_tokens(out: str, format: str = "uint32", input: str = "",
-                   max_mb: float | str | None = None, tokenizer: str = "bytes") -> dict:
+def prepare_tokens(
+    out: str,
+    format: str = "uint32",
+    input: str = "",
+    max_mb: float | str | None = None,
+    tokenizer: str = "bytes",
+) -> dict:
     """Tokenize `input` (empty: the built-in corpus) into token file `out` and its sidecar.
     `max_mb` caps the text read (None: 8 MB for the built-in corpus, no cap for `input`; 0 = no
     cap). `tokenizer` is what `data.tokenizer` takes: 'bytes' or a Hugging Face tokenizer
     directory / tokenizer.json. Returns the sidecar's content. Bad values raise DataError naming
     the flag."""
     if format not in FORMATS:
-        raise DataError(f"--format={format!r} is not a token file format; use uint32 (or uint16: 2 bytes per "
-                        "token, for vocabularies under 65,536)")
+        raise DataError(
+            f"--format={format!r} is not a token file format; use uint32 (or uint16: 2 bytes per "
+            "token, for vocabularies under 65,536)"
+        )
     if not out:
         raise DataError("--out is missing; name the token file to write, e.g. --out data/tokens.bin")
     if os.path.isdir(out) or out.endswith(("/", os.sep)):
         raise DataError(f"--out={out!r} must name a file to write, e.g. data/tokens.bin")
     tok, itemsize = _tokenizer(tokenizer), FORMATS[format]
-    if tok.vocab_size > 256 ** itemsize:
-        raise DataError(f"--format={format} holds token ids below {256 ** itemsize:,} but --tokenizer has "
-                        f"{tok.vocab_size:,}; use --format uint32")
+    if tok.vocab_size > 256**itemsize:
+        raise DataError(
+            f"--format={format} holds token ids below {256**itemsize:,} but --tokenizer has "
+            f"{tok.vocab_size:,}; use --format uint32"
+        )
     root, files, source = _sources(input, max_mb, out)
 
     val = split_files([(f[0], f[3]) for f in files], DEFAULT_VAL_FRACTION)
@@ -162,18 +177,29 @@ def prepare_tokens(out: str, format: str = "uint32", input: str = "",
                 used += 1
         if count == 0:
             what = "the file holds" if len(files) == 1 else f"all {len(files)} files hold"
-            raise DataError(f"--input={input!r}: {what} NUL bytes (binary or already tokenized); "
-                            "point it at text files")
-        meta = {"tokenizer": getattr(tok, "path", "bytes"), "vocab_size": tok.vocab_size, "eot": tok.eot,
-                "format": format, "count": count, "source": source, "files": used,
-                "validation_files": len(val - set(skipped)), "skipped_binary": len(skipped)}
+            raise DataError(
+                f"--input={input!r}: {what} NUL bytes (binary or already tokenized); point it at text files"
+            )
+        meta = {
+            "tokenizer": getattr(tok, "path", "bytes"),
+            "vocab_size": tok.vocab_size,
+            "eot": tok.eot,
+            "format": format,
+            "count": count,
+            "source": source,
+            "files": used,
+            "validation_files": len(val - set(skipped)),
+            "skipped_binary": len(skipped),
+        }
         os.replace(tmp, out)
         with open(sidecar_path(out) + ".tmp", "w") as f:
             json.dump(meta, f, indent=1)
         os.replace(sidecar_path(out) + ".tmp", sidecar_path(out))
     except OSError as e:
-        raise DataError(f"--out={out!r} cannot be written ({e.strerror or e}); choose a writable path, "
-                        "e.g. data/tokens.bin") from None
+        raise DataError(
+            f"--out={out!r} cannot be written ({e.strerror or e}); choose a writable path, "
+            "e.g. data/tokens.bin"
+        ) from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

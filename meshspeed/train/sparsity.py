@@ -34,9 +34,8 @@ import re
 import torch
 from torch import nn
 
-from meshspeed.comm import ConfigError
+from meshspeed.comm import ConfigError, placement
 from meshspeed.models.moe import GroupedExperts
-from meshspeed.comm import placement
 from meshspeed.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from meshspeed.sparse import MaskController, SparseLinear, SparseParam, SparsityConfig, check_shardable
 from meshspeed.sparse import report as sparse_report
@@ -52,13 +51,24 @@ def sparsity_config(section, *, total_steps: int | None = None, seed: int = 0) -
     ramp = section.ramp_steps or max(1, (total_steps or 2) // 2)
     try:
         return SparsityConfig(
-            pattern=section.pattern, target=section.target or None, initial=section.initial,
-            schedule=section.schedule, ramp_steps=ramp, total_steps=total_steps,
-            update_interval=section.update_interval, method=section.method, layers=section.layers,
+            pattern=section.pattern,
+            target=section.target or None,
+            initial=section.initial,
+            schedule=section.schedule,
+            ramp_steps=ramp,
+            total_steps=total_steps,
+            update_interval=section.update_interval,
+            method=section.method,
+            layers=section.layers,
             sr_ste_lambda=None if section.sr_ste_lambda < 0 else section.sr_ste_lambda,
-            warmup_steps=section.warmup_steps, dense_finish_steps=section.dense_finish_steps,
-            distribution=section.distribution, adapter=section.adapter, drop_fraction=section.drop_fraction,
-            transposable=section.transposable, seed=seed)
+            warmup_steps=section.warmup_steps,
+            dense_finish_steps=section.dense_finish_steps,
+            distribution=section.distribution,
+            adapter=section.adapter,
+            drop_fraction=section.drop_fraction,
+            transposable=section.transposable,
+            seed=seed,
+        )
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -102,7 +112,9 @@ class _FullView:
         p = local.weight
         self.sharding = placement.sharding_of(p)
         if self.sharding is not None and [d for d, _ in self.sharding.axes] != ["tp"]:
-            raise ConfigError(f"{name}: sparse training knows tensor-parallel splits only, not {self.sharding}")
+            raise ConfigError(
+                f"{name}: sparse training knows tensor-parallel splits only, not {self.sharding}"
+            )
         self.full_shape = self.sharding.full_shape if self.sharding is not None else p.shape
         self.nm, self.transposable = local.nm, local.transposable
         self._w: torch.Tensor | None = None
@@ -142,7 +154,9 @@ class _FullView:
         """This rank's torch.chunk piece of a full-shape tensor (the split of the parameter)."""
         if self.sharding is None or self.group.size == 1:
             return full
-        return placement.local_piece(full, self.sharding.placement("tp"), self.group.rank, self.group.size).contiguous()
+        return placement.local_piece(
+            full, self.sharding.placement("tp"), self.group.rank, self.group.size
+        ).contiguous()
 
     def set_mask(self, mask: torch.Tensor, *, check: bool = True) -> None:
         self.mask = mask.to(torch.bool)
@@ -194,8 +208,10 @@ class SparsityHook:
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Plain data for the checkpoint's `extra` (the masks themselves are model buffers)."""
-        return {"controller": self.controller.state_dict(),
-                "sr_ste_lambda": {v.name: float(v.sr_ste_lambda) for v in self.views}}
+        return {
+            "controller": self.controller.state_dict(),
+            "sr_ste_lambda": {v.name: float(v.sr_ste_lambda) for v in self.views},
+        }
 
     def load_state_dict(self, state: dict | None) -> None:
         """After the model's buffers were loaded: re-install the local masks (refreshing each
@@ -215,8 +231,9 @@ class SparsityHook:
         return sparse_report(self.model)
 
 
-def build_sparsity(section, model: nn.Module, optimizer, mesh, *, total_steps: int | None = None,
-                   seed: int = 0) -> SparsityHook | None:
+def build_sparsity(
+    section, model: nn.Module, optimizer, mesh, *, total_steps: int | None = None, seed: int = 0
+) -> SparsityHook | None:
     """Attach masks to the matching weights of the (tensor- and data-parallel) `model` and return
     the hook driving them, or None when section.pattern is 'none'. Collective over tp."""
     config = sparsity_config(section, total_steps=total_steps, seed=seed)
@@ -226,22 +243,32 @@ def build_sparsity(section, model: nn.Module, optimizer, mesh, *, total_steps: i
     dp = getattr(optimizer, "dp", None)
     if need_grad and dp is not None and dp.zero == 2 and dp.group.size > 1:
         why = "sparsity.method=rigl" if config.method == "rigl" else f"sparsity.adapter={config.adapter}"
-        raise ConfigError(f"{why} reads the full reduced gradient, but parallel.zero=2 keeps only 1/dp of it; "
-                          f"use parallel.zero 0 or 1")
+        raise ConfigError(
+            f"{why} reads the full reduced gradient, but parallel.zero=2 keeps only 1/dp of it; "
+            f"use parallel.zero 0 or 1"
+        )
     group = mesh["tp"]
     match = _matcher(section.layers)
     chosen = [c for c in _candidates(model) if match(c[0])]
     if not chosen:
-        raise ConfigError(f"sparsity.layers={section.layers!r} matches no linear or expert weight; names look like "
-                          f"{', '.join(n for n, _, _ in _candidates(model)[:4])}")
+        raise ConfigError(
+            f"sparsity.layers={section.layers!r} matches no linear or expert weight; names look like "
+            f"{', '.join(n for n, _, _ in _candidates(model)[:4])}"
+        )
     views = []
     for name, mod, pname in chosen:
         p = getattr(mod, pname)
         sharding = placement.sharding_of(p)
         if sharding is not None and config.nm is not None:
             try:
-                check_shardable(name, sharding.full_shape, sharding.shard_dims()["tp"], group.size, config.nm,
-                                transposable=config.use_transposable)
+                check_shardable(
+                    name,
+                    sharding.full_shape,
+                    sharding.shard_dims()["tp"],
+                    group.size,
+                    config.nm,
+                    transposable=config.use_transposable,
+                )
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         kw = dict(nm=config.nm, transposable=config.use_transposable, sr_ste_lambda=config.sr_ste_lambda)

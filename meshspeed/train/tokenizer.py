@@ -32,7 +32,11 @@ class ByteTokenizer:
     def encode_tensor(self, text: str) -> torch.Tensor:
         """The same tokens as a uint8 tensor (one byte per token, no Python ints)."""
         data = text.encode("utf-8")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(0, dtype=torch.uint8)
+        )
 
     def decode(self, tokens: Iterable[int] | torch.Tensor, errors: str = "replace") -> str:
         """Exact inverse of encode for valid UTF-8; a model's sample may cut a multi-byte
@@ -63,18 +67,22 @@ class HFTokenizer:
     def __init__(self, path: str):
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise ConfigError(f"data.tokenizer={path!r}: no tokenizer.json there; give 'bytes', a Hugging "
-                              "Face tokenizer directory, or its tokenizer.json")
+            raise ConfigError(
+                f"data.tokenizer={path!r}: no tokenizer.json there; give 'bytes', a Hugging "
+                "Face tokenizer directory, or its tokenizer.json"
+            )
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ConfigError(f"data.tokenizer={path!r} needs the `tokenizers` package: "
-                              "pip install tokenizers") from None
+            raise ConfigError(
+                f"data.tokenizer={path!r} needs the `tokenizers` package: pip install tokenizers"
+            ) from None
         try:
             self.tok = Tokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001 - the library's errors are long and varied
-            raise ConfigError(f"data.tokenizer={path!r}: {file} is not a tokenizers file "
-                              f"({str(e)[:120]})") from None
+            raise ConfigError(
+                f"data.tokenizer={path!r}: {file} is not a tokenizers file ({str(e)[:120]})"
+            ) from None
         self.path, self.dir = path, os.path.dirname(os.path.abspath(file))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eot = self._eot()
@@ -116,6 +124,8 @@ def check_vocab(tokenizer, vocab_size: int, setting: str = "data.tokenizer") -> 
     have more: vocabularies are often padded to a multiple of 64 or 128)."""
     if tokenizer.vocab_size > vocab_size:
         name = getattr(tokenizer, "path", "bytes")
-        raise ConfigError(f"{setting}={name!r} has {tokenizer.vocab_size} tokens but the model's vocab_size "
-                          f"is {vocab_size}; use a model with vocab_size ≥ {tokenizer.vocab_size} or a "
-                          "matching tokenizer")
+        raise ConfigError(
+            f"{setting}={name!r} has {tokenizer.vocab_size} tokens but the model's vocab_size "
+            f"is {vocab_size}; use a model with vocab_size ≥ {tokenizer.vocab_size} or a "
+            "matching tokenizer"
+        )

@@ -19,23 +19,22 @@ import torch
 
 from meshspeed import comm
 from meshspeed.comm import ConfigError, ParallelDims
+from meshspeed.comm.errors import echo
 from meshspeed.models import recipe_for
 from meshspeed.models.hf import check_exportable
-from meshspeed.parallel.optim import build_data_parallel
-from meshspeed.parallel.optim import clip_grad_norm_, grad_norm
 from meshspeed.parallel.materialize import build_parallel_model
+from meshspeed.parallel.optim import build_data_parallel, clip_grad_norm_, grad_norm
 from meshspeed.parallel.tensor import model_loss
-from meshspeed.comm.errors import echo
 from meshspeed.sparse.cuda import invalidate_compressed
 from meshspeed.train import checkpoint as ckpt
-from meshspeed.train.ckpt_dirs import CheckpointError, newest_verified
 from meshspeed.train import config as config_mod
+from meshspeed.train.ckpt_dirs import CheckpointError, newest_verified
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
 from meshspeed.train.export import export_safetensors
 from meshspeed.train.hf_export import export_hf, source_hf_config
 from meshspeed.train.hf_io import init_from
-from meshspeed.train.model_source import preset_config
 from meshspeed.train.metrics import MetricsLogger, lr_at
+from meshspeed.train.model_source import preset_config
 from meshspeed.train.pipeline import TrainerPipeline
 from meshspeed.train.sparsity import build_sparsity
 from meshspeed.train.tokenizer import check_vocab, load_tokenizer
@@ -70,26 +69,53 @@ class Trainer:
         torch.manual_seed(t.seed)
         # Born sharded: built on the meta device, each rank materialises only its pieces.
         # pp > 1: this rank's stage model (other stages' layers deleted, FQNs kept) + the schedule's runtime
-        self.pipeline = TrainerPipeline(cfg, self.mesh, self.recipe, self.accum, ctx.device) if p.pp > 1 else None
+        self.pipeline = (
+            TrainerPipeline(cfg, self.mesh, self.recipe, self.accum, ctx.device) if p.pp > 1 else None
+        )
         if self.pipeline is not None:
             self.model = self.pipeline.model
         else:
-            self.model = build_parallel_model(self.recipe, self.mesh, seed=t.seed, device=ctx.device,
-                                              sequence_parallel=p.sequence_parallel)
+            self.model = build_parallel_model(
+                self.recipe, self.mesh, seed=t.seed, device=ctx.device, sequence_parallel=p.sequence_parallel
+            )
         if init_weights:  # before the optimizer copies the weights into its masters
             ckpt.load_checkpoint(init_weights, self.model, None, self.mesh, strict=False, restore_rng=False)
         self.dp, self.opt = build_data_parallel(
-            self.model, self.mesh, zero=p.zero, bucket_mb=p.bucket_mb, dtype=DTYPES[t.dtype], lr=t.lr,
-            weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
+            self.model,
+            self.mesh,
+            zero=p.zero,
+            bucket_mb=p.bucket_mb,
+            dtype=DTYPES[t.dtype],
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            betas=(t.beta1, t.beta2),
+        )
         # masks on the parallel model's weights (same Parameters); None when sparsity.pattern=none
-        self.sparsity = build_sparsity(cfg.sparsity, self.model, self.opt, self.mesh, total_steps=t.steps, seed=t.seed)
-        train_tokens, val_tokens = load_tokens(cfg.data.path, cfg.data.format, max_mb=cfg.data.max_mb,
-                                               tokenizer=self.tokenizer)
+        self.sparsity = build_sparsity(
+            cfg.sparsity, self.model, self.opt, self.mesh, total_steps=t.steps, seed=t.seed
+        )
+        train_tokens, val_tokens = load_tokens(
+            cfg.data.path, cfg.data.format, max_mb=cfg.data.max_mb, tokenizer=self.tokenizer
+        )
         coords = self.mesh.coords
-        self.loader = GlobalBatchLoader(train_tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
-                                        dp_rank=coords["dp"], dp_size=dp, seed=t.seed)
-        self.val_loader = ValidationLoader(val_tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
-                                           dp_rank=coords["dp"], dp_size=dp, max_batches=t.eval_batches)
+        self.loader = GlobalBatchLoader(
+            train_tokens,
+            t.seq_len,
+            t.global_batch_size,
+            t.micro_batch_size,
+            dp_rank=coords["dp"],
+            dp_size=dp,
+            seed=t.seed,
+        )
+        self.val_loader = ValidationLoader(
+            val_tokens,
+            t.seq_len,
+            t.global_batch_size,
+            t.micro_batch_size,
+            dp_rank=coords["dp"],
+            dp_size=dp,
+            max_batches=t.eval_batches,
+        )
         self.start_step = 0
         if cfg.checkpoint.resume:
             self.start_step = self._resume(cfg.checkpoint.resume)
@@ -106,22 +132,37 @@ class Trainer:
             if self.lead:
                 for bad, why in skipped:
                     instead = f"resuming from {path} instead" if path else "no earlier checkpoint verifies"
-                    print(f"meshspeed: checkpoint {bad} does not verify ({why}); {instead}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"meshspeed: checkpoint {bad} does not verify ({why}); {instead}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if path is None and skipped:
-                raise echo(CheckpointError(
-                    f"checkpoint.resume={which}: none of the {len(skipped)} checkpoints in {run_dir} verifies "
-                    f"(newest: {skipped[0][0]}: {skipped[0][1]}); restore one from a copy, or start over "
-                    f"with --run.overwrite true"), quiet)
+                raise echo(
+                    CheckpointError(
+                        f"checkpoint.resume={which}: none of the {len(skipped)} checkpoints in {run_dir} "
+                        f"verifies "
+                        f"(newest: {skipped[0][0]}: {skipped[0][1]}); restore one from a copy, or start over "
+                        f"with --run.overwrite true"
+                    ),
+                    quiet,
+                )
             if path is None and which == "auto":
                 if self.lead:
-                    print(f"meshspeed: checkpoint.resume=auto: no checkpoint in {run_dir}, starting at step 0",
-                          flush=True)
+                    print(
+                        f"meshspeed: checkpoint.resume=auto: no checkpoint in {run_dir}, starting at step 0",
+                        flush=True,
+                    )
                 return 0
             if path is None:
-                raise echo(ConfigError(f"checkpoint.resume=latest but {run_dir} holds no complete "
-                                       f"checkpoint; drop --checkpoint.resume or point --run.dir at the "
-                                       f"earlier run"), quiet)
+                raise echo(
+                    ConfigError(
+                        f"checkpoint.resume=latest but {run_dir} holds no complete "
+                        f"checkpoint; drop --checkpoint.resume or point --run.dir at the "
+                        f"earlier run"
+                    ),
+                    quiet,
+                )
             state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=False)  # just verified
         else:
             state = ckpt.load_checkpoint(which, self.model, self.opt, self.mesh)
@@ -132,15 +173,25 @@ class Trainer:
         return int(state["step"])
 
     def _save(self, step: int) -> str:
-        return ckpt.save_checkpoint(self.cfg.run.dir, step, self.model, self.opt, self.mesh,
-                                    extra={"config": self.cfg.to_dict(),
-                                           "model_config": dataclasses.asdict(self.model_config),
-                                           **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {})},
-                                    keep=self.cfg.checkpoint.keep)
+        return ckpt.save_checkpoint(
+            self.cfg.run.dir,
+            step,
+            self.model,
+            self.opt,
+            self.mesh,
+            extra={
+                "config": self.cfg.to_dict(),
+                "model_config": dataclasses.asdict(self.model_config),
+                **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {}),
+            },
+            keep=self.cfg.checkpoint.keep,
+        )
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        loss = model_loss(self.model, x, y, aux=False, plain=self.recipe.loss)  # the cross-entropy: what metrics report
+        loss = model_loss(
+            self.model, x, y, aux=False, plain=self.recipe.loss
+        )  # the cross-entropy: what metrics report
         return loss, self.model.aux_loss()
 
     @property
@@ -170,14 +221,18 @@ class Trainer:
         else:
             for i, (x, y) in enumerate(micro):
                 last = i == len(micro) - 1
-                with (contextlib.nullcontext() if last else self.dp.no_sync()):
+                with contextlib.nullcontext() if last else self.dp.no_sync():
                     loss, aux = self._loss(x, y)
                     # The global-batch loss is the mean of the micro-batch means; DP averages ranks.
                     ((loss + aux) / len(micro)).backward()
                 total += loss.detach().to(self.loss_dtype)
         self.dp.finish_grad_sync()
         mean_loss = self._mean_over_dp(total, len(micro))
-        norm = clip_grad_norm_(self.dp, t.grad_clip, self.mesh) if t.grad_clip > 0 else grad_norm(self.dp, self.mesh)
+        norm = (
+            clip_grad_norm_(self.dp, t.grad_clip, self.mesh)
+            if t.grad_clip > 0
+            else grad_norm(self.dp, self.mesh)
+        )
         norm = float(norm)
         finite = math.isfinite(mean_loss) and math.isfinite(norm)
         sparse = {}
@@ -190,8 +245,14 @@ class Trainer:
             sparse = self.sparsity.after_step(step) if self.sparsity is not None else {}
         self.opt.zero_grad()
         elapsed = time.perf_counter() - t0
-        row = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": norm,
-               "tokens_per_s": t.global_batch_size * t.seq_len / elapsed, **sparse}
+        row = {
+            "step": step,
+            "loss": mean_loss,
+            "lr": lr,
+            "grad_norm": norm,
+            "tokens_per_s": t.global_batch_size * t.seq_len / elapsed,
+            **sparse,
+        }
         if not finite:
             row["skipped"] = True
         return row
@@ -214,15 +275,23 @@ class Trainer:
         t, step = self.cfg.train, row["step"]
         loss, norm = row["loss"], row["grad_norm"]
         if self.lead:
-            print(f"meshspeed: step {step}: loss {loss:.4g}, grad norm {norm:.4g}: not finite, update "
-                  f"skipped ({bad_in_row} in a row of train.max_bad_steps={t.max_bad_steps})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"meshspeed: step {step}: loss {loss:.4g}, grad norm {norm:.4g}: not finite, update "
+                f"skipped ({bad_in_row} in a row of train.max_bad_steps={t.max_bad_steps})",
+                file=sys.stderr,
+                flush=True,
+            )
         if bad_in_row >= t.max_bad_steps:
-            raise echo(NonFiniteError(
-                f"step {step}: loss {loss:.4g}, grad norm {norm:.4g}: not finite for {bad_in_row} steps in a "
-                f"row (train.max_bad_steps={t.max_bad_steps}), run stopped without saving; lower --train.lr "
-                f"(now {t.lr:g}) or --train.grad_clip, then resume from the last checkpoint with "
-                f"--checkpoint.resume latest"), not self.lead)
+            raise echo(
+                NonFiniteError(
+                    f"step {step}: loss {loss:.4g}, grad norm {norm:.4g}: not finite for {bad_in_row} "
+                    f"steps in a row (train.max_bad_steps={t.max_bad_steps}), run stopped without saving; "
+                    f"lower --train.lr "
+                    f"(now {t.lr:g}) or --train.grad_clip, then resume from the last checkpoint with "
+                    f"--checkpoint.resume latest"
+                ),
+                not self.lead,
+            )
 
     def run(self) -> dict:
         t, c = self.cfg.train, self.cfg.checkpoint
@@ -249,17 +318,27 @@ class Trainer:
                 last_ckpt = self._save(done)
             if exiting:
                 break
-        summary = {"final_loss": row["loss"] if row else None, "val_loss": row.get("val_loss") if row else None,
-                   "tokens_per_s": sum(tokens_per_s) / len(tokens_per_s) if tokens_per_s else None,
-                   "metrics": self.metrics.path, "checkpoint": last_ckpt, "skipped_steps": skipped}
+        summary = {
+            "final_loss": row["loss"] if row else None,
+            "val_loss": row.get("val_loss") if row else None,
+            "tokens_per_s": sum(tokens_per_s) / len(tokens_per_s) if tokens_per_s else None,
+            "metrics": self.metrics.path,
+            "checkpoint": last_ckpt,
+            "skipped_steps": skipped,
+        }
         if c.export_safetensors:
-            summary["safetensors"] = export_safetensors(self.model, self.mesh,
-                                                             os.path.join(self.cfg.run.dir, "model.safetensors"))
+            summary["safetensors"] = export_safetensors(
+                self.model, self.mesh, os.path.join(self.cfg.run.dir, "model.safetensors")
+            )
         if c.export_hf:
-            summary["hf"] = export_hf(self.model, self.mesh, os.path.join(self.cfg.run.dir, "hf"),
-                                      self.model_config,
-                                      tokenizer_files=getattr(self.tokenizer, "files", list)(),
-                                      hf_extra=source_hf_config(self.cfg.model.init_from))
+            summary["hf"] = export_hf(
+                self.model,
+                self.mesh,
+                os.path.join(self.cfg.run.dir, "hf"),
+                self.model_config,
+                tokenizer_files=getattr(self.tokenizer, "files", list)(),
+                hf_extra=source_hf_config(self.cfg.model.init_from),
+            )
         if self.lead:
             summary["plot"] = self.metrics.plot(os.path.join(self.cfg.run.dir, "loss.png"))
         self.metrics.close()

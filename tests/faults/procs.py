@@ -16,17 +16,33 @@ import sys
 import time
 
 # A tiny run that starts in seconds: 32-token sequences, one micro-batch per rank per step.
-FAST = ["--train.seq_len", "32", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
-        "--data.max_mb", "1", "--train.eval_interval", "0", "--run.log_interval", "1",
-        "--train.warmup_steps", "2"]
+FAST = [
+    "--train.seq_len",
+    "32",
+    "--train.global_batch_size",
+    "4",
+    "--train.micro_batch_size",
+    "2",
+    "--data.max_mb",
+    "1",
+    "--train.eval_interval",
+    "0",
+    "--run.log_interval",
+    "1",
+    "--train.warmup_steps",
+    "2",
+]
 COMM_TIMEOUT = 10  # seconds: --run.timeout in these tests (the collective timeout)
 
 
 def env() -> dict[str, str]:
     """This process's environment without a job's variables (the children form their own job)."""
-    out = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith("TORCHELASTIC_")}
+    out = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith("TORCHELASTIC_")
+    }
     out.update(PYTHONUNBUFFERED="1", MESHSPEED_LINK_PARAMS="none", OMP_NUM_THREADS="1")
     return out
 
@@ -67,18 +83,39 @@ def cmdline(pid: int) -> str:
 class Job:
     """One `meshspeed train` (or torchrun) process tree, with its output in files."""
 
-    def __init__(self, tmp_path, args: list[str], *, torchrun: list[str] | None = None, name: str = "job",
-                 extra_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        tmp_path,
+        args: list[str],
+        *,
+        torchrun: list[str] | None = None,
+        name: str = "job",
+        extra_env: dict[str, str] | None = None,
+    ):
         self.dir = tmp_path
         self.out_path, self.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         if torchrun is None:
             cmd = [sys.executable, "-m", "meshspeed", "train", *args]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "meshspeed", "train",
-                   *args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *torchrun,
+                "-m",
+                "meshspeed",
+                "train",
+                *args,
+            ]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**env(), **(extra_env or {})},
-                                         cwd=tmp_path, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=err,
+                env={**env(), **(extra_env or {})},
+                cwd=tmp_path,
+                start_new_session=True,
+            )
         self.started = time.monotonic()
         self.seen: set[int] = set()
 
@@ -98,23 +135,29 @@ class Job:
         """The pids of the `n` workers, in rank order (the launcher starts rank 0 first)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = [p for p in children(self.proc.pid)
-                     if "spawn_main" in cmdline(p) or " meshspeed train" in cmdline(p)]
+            found = [
+                p
+                for p in children(self.proc.pid)
+                if "spawn_main" in cmdline(p) or " meshspeed train" in cmdline(p)
+            ]
             if len(found) == n:
                 self.seen.update(found)
                 return found
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        raise AssertionError(f"expected {n} workers, found {children(self.proc.pid)}; stderr:\n"
-                             f"{self.stderr[-2000:]}")
+        raise AssertionError(
+            f"expected {n} workers, found {children(self.proc.pid)}; stderr:\n{self.stderr[-2000:]}"
+        )
 
     def wait_for(self, what: str, cond, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
             if self.proc.poll() is not None:
-                raise AssertionError(f"the job ended (code {self.proc.returncode}) before {what}; "
-                                     f"stderr:\n{self.stderr[-3000:]}")
+                raise AssertionError(
+                    f"the job ended (code {self.proc.returncode}) before {what}; "
+                    f"stderr:\n{self.stderr[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {what} within {timeout:g}s; stderr:\n{self.stderr[-3000:]}")
             time.sleep(0.1)
@@ -129,8 +172,9 @@ class Job:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the job did not end within {timeout:g}s (a hang); stderr:\n"
-                                 f"{self.stderr[-3000:]}") from None
+            raise AssertionError(
+                f"the job did not end within {timeout:g}s (a hang); stderr:\n{self.stderr[-3000:]}"
+            ) from None
 
     def gone(self, pids, timeout: float = 30.0) -> list[int]:
         """Wait until none of `pids` is alive; return those still alive after `timeout`."""

@@ -34,8 +34,13 @@ RUN2 = FAST + ["--nproc", "2", "--parallel.tp", "2", "--checkpoint.interval", "2
 def trained(tmp_path_factory):
     """A finished 4-step run (tp 2) with checkpoints at steps 2 and 4."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    out = subprocess.run([sys.executable, "-m", "meshspeed", "train", *RUN2, "--train.steps", "4",
-                          "--run.dir", str(run)], env=env(), capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshspeed", "train", *RUN2, "--train.steps", "4", "--run.dir", str(run)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return run
 
@@ -58,9 +63,10 @@ def test_flipped_byte_in_newest_checkpoint_falls_back_to_previous(start, trained
     job = start(RUN2 + ["--train.steps", "6", "--run.dir", str(run), "--checkpoint.resume", "latest"])
     assert job.finish(120) == 0, job.stderr[-3000:]
     err = job.stderr
-    assert (f"checkpoint {run}/step-000004 does not verify (__1_0.distcp does not match its SHA-256 in "
-            f"the manifest (a damaged or altered file)); resuming from {run}/step-000002 instead") in err, \
-        err[-2000:]
+    assert (
+        f"checkpoint {run}/step-000004 does not verify (__1_0.distcp does not match its SHA-256 in "
+        f"the manifest (a damaged or altered file)); resuming from {run}/step-000002 instead"
+    ) in err, err[-2000:]
     assert f"resumed from step 2 ({run}/step-000002)" in job.stdout
     assert [r["step"] for r in metrics(run)] == list(range(6))
 
@@ -69,8 +75,9 @@ def test_truncated_shard_in_named_checkpoint_is_an_error_naming_the_file(start, 
     run = _copy(trained, tmp_path)
     shard = run / "step-000004" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    job = start(RUN2 + ["--train.steps", "6", "--run.dir", str(run),
-                        "--checkpoint.resume", str(run / "step-000004")])
+    job = start(
+        RUN2 + ["--train.steps", "6", "--run.dir", str(run), "--checkpoint.resume", str(run / "step-000004")]
+    )
     assert job.finish(60) == 1
     line = job.last_line()
     want = f"rank 0 failed: checkpoint {run}/step-000004 does not verify: __0_0.distcp has 1000 bytes"
@@ -80,8 +87,13 @@ def test_truncated_shard_in_named_checkpoint_is_an_error_naming_the_file(start, 
 
 def test_new_run_in_used_run_dir_is_refused_with_one_line(trained, tmp_path):
     run = _copy(trained, tmp_path)
-    out = subprocess.run([sys.executable, "-m", "meshspeed", "train", *RUN2, "--run.dir", str(run)],
-                         env=env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshspeed", "train", *RUN2, "--run.dir", str(run)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "already holds metrics.jsonl, step-000002, step-000004" in lines[0], out.stderr
@@ -114,8 +126,23 @@ def _dcp_tensors(path) -> dict[str, torch.Tensor]:
 
 def test_huge_learning_rate_stops_with_one_line_and_only_finite_checkpoints(start, tmp_path):
     run = tmp_path / "run"
-    job = start(FAST + ["--nproc", "2", "--parallel.tp", "2", "--train.steps", "40", "--train.lr", "1e6",
-                        "--checkpoint.interval", "1", "--run.dir", str(run)])
+    job = start(
+        FAST
+        + [
+            "--nproc",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--train.steps",
+            "40",
+            "--train.lr",
+            "1e6",
+            "--checkpoint.interval",
+            "1",
+            "--run.dir",
+            str(run),
+        ]
+    )
     assert job.finish(120) == 1
     line = job.last_line()
     assert "not finite for 5 steps in a row (train.max_bad_steps=5), run stopped without saving" in line, line
@@ -190,8 +217,9 @@ def _tensor_item_payload(path, marker) -> None:
         pickle.dump(md, f)
 
 
-@pytest.mark.parametrize("where", [".metadata", "state.pt", "rng/rank-00000.pt", "__0_0.distcp",
-                                   "bytes-entry", "tensor-item"])
+@pytest.mark.parametrize(
+    "where", [".metadata", "state.pt", "rng/rank-00000.pt", "__0_0.distcp", "bytes-entry", "tensor-item"]
+)
 @pytest.mark.parametrize("manifest_updated", [True, False])
 def test_planted_pickle_payload_never_runs(tmp_path, solo, where, manifest_updated):
     marker = tmp_path / "payload-ran"
@@ -226,8 +254,10 @@ def test_control_the_stock_dcp_reader_would_run_the_payload(tmp_path, solo):
     path = ckpt.save_checkpoint(str(tmp_path / "run"), 1, _model(), None, solo)
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(_Payload(marker), f)
-    code = ("from torch.distributed.checkpoint import FileSystemReader\n"
-            f"FileSystemReader({path!r}).read_metadata()")
+    code = (
+        "from torch.distributed.checkpoint import FileSystemReader\n"
+        f"FileSystemReader({path!r}).read_metadata()"
+    )
     subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, timeout=60)
     assert marker.exists()
 

@@ -104,7 +104,7 @@ def test_no_import_cycles():
         state[m] = "open"
         for nxt in sorted(graph[m]):
             if state.get(nxt) == "open":
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[m] = "done"
@@ -115,14 +115,30 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-OWNED = ["meshspeed/comm/" + f for f in ("context.py", "group.py", "desync.py", "launch.py", "mesh.py",
-                                         "errors.py", "collectives.py", "trace.py", "protocols.py")] + \
-        ["meshspeed/train/" + f for f in ("ckpt_dirs.py", "metrics.py", "config.py", "manifest.py", "job.py")]
+OWNED = [
+    "meshspeed/comm/" + f
+    for f in (
+        "context.py",
+        "group.py",
+        "desync.py",
+        "launch.py",
+        "mesh.py",
+        "errors.py",
+        "collectives.py",
+        "trace.py",
+        "protocols.py",
+    )
+] + ["meshspeed/train/" + f for f in ("ckpt_dirs.py", "metrics.py", "config.py", "manifest.py", "job.py")]
 
 
 @pytest.mark.parametrize("path", OWNED)
 def test_no_private_names_imported_across_modules(path):
     tree = ast.parse(open(os.path.join(ROOT, path)).read())
-    private = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-               and (n.module or "").startswith("meshspeed") for a in n.names if a.name.startswith("_")]
+    private = [
+        f"{n.module}.{a.name}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("meshspeed")
+        for a in n.names
+        if a.name.startswith("_")
+    ]
     assert not private, f"{path} imports private names: {private}"

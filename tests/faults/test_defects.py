@@ -26,9 +26,17 @@ from meshspeed.train.safetensors_io import read_safetensors
 from meshspeed.train.trainer import Trainer
 from tests import harness
 
-BASE = [("model.n_heads", "4"), ("model.n_kv_heads", "4"), ("train.seq_len", "32"),
-        ("train.global_batch_size", "8"), ("train.micro_batch_size", "2"), ("train.dtype", "float32"),
-        ("train.eval_interval", "0"), ("train.warmup_steps", "3"), ("data.max_mb", "1")]
+BASE = [
+    ("model.n_heads", "4"),
+    ("model.n_kv_heads", "4"),
+    ("train.seq_len", "32"),
+    ("train.global_batch_size", "8"),
+    ("train.micro_batch_size", "2"),
+    ("train.dtype", "float32"),
+    ("train.eval_interval", "0"),
+    ("train.warmup_steps", "3"),
+    ("data.max_mb", "1"),
+]
 NM24 = [("sparsity.pattern", "2:4")]
 
 
@@ -55,8 +63,9 @@ def _loss_reductions(ctx, run_dir: str, extra: list) -> list:
     return [seen, ctx.device.type]
 
 
-@pytest.mark.parametrize("extra", [[("parallel.tp", "1")], [("parallel.tp", "1"), ("parallel.pp", "2")]],
-                         ids=["dp2", "pp2"])
+@pytest.mark.parametrize(
+    "extra", [[("parallel.tp", "1")], [("parallel.tp", "1"), ("parallel.pp", "2")]], ids=["dp2", "pp2"]
+)
 def test_losses_are_reduced_on_the_device_in_float32(tmp_path, extra):
     for seen, device in harness.run(2, _loss_reductions, str(tmp_path), extra):
         assert len(seen) == 2, seen  # the step's loss and the validation loss
@@ -72,8 +81,9 @@ def _cache_after_step(ctx, run_dir: str) -> list:
     before = {}
     for layer in layers:
         layer._compressed = CompressedWeight(compress=lambda t: t.clone())
-        before[layer] = layer._compressed.get(layer.weight, layer.mask, layer.mask_version, torch.float32,
-                                              False)[0]
+        before[layer] = layer._compressed.get(
+            layer.weight, layer.mask, layer.mask_version, torch.float32, False
+        )[0]
     trainer.train_step(0)
     out = []
     for layer in layers:

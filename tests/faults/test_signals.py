@@ -22,8 +22,10 @@ STOP_TIMEOUT = 5  # MESHSPEED_TIMEOUT of the stopped-rank case: the job waits th
 
 def test_stopped_rank_ends_the_job_naming_the_group(start, tmp_path):
     run = tmp_path / "run"
-    job = start(FAST + ["--train.steps", "2000", "--nproc", "4", "--parallel.tp", "2", "--run.dir", str(run)],
-                extra_env={"MESHSPEED_TIMEOUT": str(STOP_TIMEOUT)})  # dp 2 x tp 2
+    job = start(
+        FAST + ["--train.steps", "2000", "--nproc", "4", "--parallel.tp", "2", "--run.dir", str(run)],
+        extra_env={"MESHSPEED_TIMEOUT": str(STOP_TIMEOUT)},
+    )  # dp 2 x tp 2
     workers = job.workers(4)
     job.wait_rows(run, 2)
     os.kill(workers[2], signal.SIGSTOP)  # rank 2: its tp peer is rank 3, its dp peer rank 0

@@ -20,9 +20,22 @@ STEPS = 60
 
 def test_torchrun_restart_after_a_killed_worker_finishes_the_run(start, tmp_path):
     run = tmp_path / "run"
-    job = start(FAST + ["--parallel.tp", "2", "--train.steps", str(STEPS), "--checkpoint.interval", "2",
-                        "--checkpoint.resume", "auto", "--run.dir", str(run)],
-                torchrun=["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"])
+    job = start(
+        FAST
+        + [
+            "--parallel.tp",
+            "2",
+            "--train.steps",
+            str(STEPS),
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.resume",
+            "auto",
+            "--run.dir",
+            str(run),
+        ],
+        torchrun=["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"],
+    )
     workers = job.workers(2, timeout=120)
     job.wait_for("a checkpoint", lambda: len(ckpt.list_checkpoints(str(run))) >= 2, timeout=120)
     os.kill(workers[1], signal.SIGKILL)

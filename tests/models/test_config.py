@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from meshspeed.models import (ModelConfig, flops_per_token, get_preset, llama_ffn_hidden, matmul_params,
-                              param_count, preset_names, recipe_for)
+from meshspeed.models import (
+    ModelConfig,
+    flops_per_token,
+    get_preset,
+    llama_ffn_hidden,
+    matmul_params,
+    param_count,
+    preset_names,
+    recipe_for,
+)
 
 PUBLISHED = {
     "llama3-8b": 8_030_261_248,
@@ -38,12 +46,18 @@ def test_mixtral_active_params():
     assert round(param_count(get_preset("mixtral-8x7b"), active=True) / 1e9, 1) == 12.9
 
 
-@pytest.mark.parametrize("config", [
-    get_preset("tiny"), get_preset("tiny-moe"), get_preset("small"),
-    get_preset("tiny", tie_embeddings=True), get_preset("tiny-qwen2"),
-    get_preset("tiny-moe", n_layers=4, moe_every=2, first_k_dense=1, n_shared_experts=2),
-    get_preset("tiny-moe", n_shared_experts=0, moe_ffn_hidden=None, n_kv_heads=None),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        get_preset("tiny"),
+        get_preset("tiny-moe"),
+        get_preset("small"),
+        get_preset("tiny", tie_embeddings=True),
+        get_preset("tiny-qwen2"),
+        get_preset("tiny-moe", n_layers=4, moe_every=2, first_k_dense=1, n_shared_experts=2),
+        get_preset("tiny-moe", n_shared_experts=0, moe_ffn_hidden=None, n_kv_heads=None),
+    ],
+)
 def test_analytic_count_equals_built_model(config):
     assert param_count(config) == meta_count(config)
 
@@ -73,21 +87,24 @@ def test_moe_layer_selection():
     assert not any(get_preset("tiny").is_moe_layer(i) for i in range(2))
 
 
-@pytest.mark.parametrize("kwargs, fragments", [
-    (dict(dim=512, n_heads=7), ["n_heads=7", "dim=512", "1, 2, 4, 8"]),
-    (dict(dim=12, n_heads=4), ["n_heads=4", "head_dim=3", "odd", "1, 2, 3, 6"]),
-    (dict(dim=128, n_heads=8, n_kv_heads=3), ["n_kv_heads=3", "n_heads=8", "1, 2, 4, 8"]),
-    (dict(n_experts=4, top_k=5), ["top_k=5", "n_experts=4", "between 1 and 4"]),
-    (dict(dim=0), ["dim=0", ">= 1"]),
-    (dict(n_layers=True), ["n_layers=True", "integer"]),
-    (dict(norm_eps=0.0), ["norm_eps=0.0", "> 0"]),
-    (dict(aux_loss_coef=-1.0), ["aux_loss_coef=-1.0", ">= 0"]),
-    (dict(router_softmax="bogus"), ["router_softmax='bogus'", "after_topk", "before_topk"]),
-    (dict(moe_impl="fast"), ["moe_impl='fast'", "grouped_mm", "loop"]),
-    (dict(n_shared_experts=1), ["n_shared_experts=1", "n_experts"]),
-    (dict(tie_embeddings="yes"), ["tie_embeddings='yes'"]),
-    (dict(ffn_dim_multiplier=-2.0), ["ffn_dim_multiplier=-2.0", "1.3"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        (dict(dim=512, n_heads=7), ["n_heads=7", "dim=512", "1, 2, 4, 8"]),
+        (dict(dim=12, n_heads=4), ["n_heads=4", "head_dim=3", "odd", "1, 2, 3, 6"]),
+        (dict(dim=128, n_heads=8, n_kv_heads=3), ["n_kv_heads=3", "n_heads=8", "1, 2, 4, 8"]),
+        (dict(n_experts=4, top_k=5), ["top_k=5", "n_experts=4", "between 1 and 4"]),
+        (dict(dim=0), ["dim=0", ">= 1"]),
+        (dict(n_layers=True), ["n_layers=True", "integer"]),
+        (dict(norm_eps=0.0), ["norm_eps=0.0", "> 0"]),
+        (dict(aux_loss_coef=-1.0), ["aux_loss_coef=-1.0", ">= 0"]),
+        (dict(router_softmax="bogus"), ["router_softmax='bogus'", "after_topk", "before_topk"]),
+        (dict(moe_impl="fast"), ["moe_impl='fast'", "grouped_mm", "loop"]),
+        (dict(n_shared_experts=1), ["n_shared_experts=1", "n_experts"]),
+        (dict(tie_embeddings="yes"), ["tie_embeddings='yes'"]),
+        (dict(ffn_dim_multiplier=-2.0), ["ffn_dim_multiplier=-2.0", "1.3"]),
+    ],
+)
 def test_validation_messages(kwargs, fragments):
     with pytest.raises(ValueError) as err:
         ModelConfig(**kwargs)

@@ -52,7 +52,7 @@ def test_rmsnorm_matches_formula():
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(3, 6, dtype=torch.float64)
-    expected = x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    expected = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6) * norm.weight
     torch.testing.assert_close(norm(x), expected)
 
 

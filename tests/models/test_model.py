@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from meshspeed.models import (Transformer, build_model, canonical_name, cross_entropy_loss,
-                              get_preset, init_tensor, init_weights, param_seed)
+from meshspeed.models import (
+    Transformer,
+    build_model,
+    canonical_name,
+    cross_entropy_loss,
+    get_preset,
+    init_tensor,
+    init_weights,
+    param_seed,
+)
 
 
 def stage(config, keep_layers, first, last, seed):
@@ -53,8 +61,7 @@ def test_init_statistics():
     assert std(model.layers["0"].attention.wo.weight) == pytest.approx(0.01, rel=0.05)  # /sqrt(4)
     assert std(model.layers["0"].feed_forward.w2.weight) == pytest.approx(0.01, rel=0.05)
     # Different names draw different values.
-    assert not torch.equal(model.layers["0"].attention.wq.weight,
-                           model.layers["1"].attention.wq.weight)
+    assert not torch.equal(model.layers["0"].attention.wq.weight, model.layers["1"].attention.wq.weight)
 
 
 def test_param_seed_is_pinned():
@@ -85,8 +92,7 @@ def test_init_independent_of_dtype_and_wrappers():
     wrapped = "_orig_mod.layers.0._checkpoint_wrapped_module.attention.wq.weight"
     assert canonical_name(wrapped) == "layers.0.attention.wq.weight"
     shape = fp32.layers["0"].attention.wq.weight.shape
-    assert torch.equal(init_tensor(wrapped, shape, config, seed=5),
-                       fp32.layers["0"].attention.wq.weight)
+    assert torch.equal(init_tensor(wrapped, shape, config, seed=5), fp32.layers["0"].attention.wq.weight)
 
 
 def test_pipeline_stages_compose_to_the_full_model():

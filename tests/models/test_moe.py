@@ -6,12 +6,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshspeed.models import MoE, ModelConfig, build_model, get_preset
+from meshspeed.models import ModelConfig, MoE, build_model, get_preset
 
 
 def moe_config(**kw):
-    base = dict(dim=16, n_heads=2, n_experts=4, top_k=2, moe_ffn_hidden=12, n_shared_experts=1,
-                aux_loss_coef=0.01, z_loss_coef=0.001)
+    base = dict(
+        dim=16,
+        n_heads=2,
+        n_experts=4,
+        top_k=2,
+        moe_ffn_hidden=12,
+        n_shared_experts=1,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -30,7 +38,7 @@ def dense_reference(moe, x):
     out = torch.zeros_like(x)
     for e in range(ex.w1.shape[0]):
         y = (F.silu(x @ ex.w1[e].t()) * (x @ ex.w3[e].t())) @ ex.w2[e].t()
-        out = out + gates[:, e:e + 1] * y
+        out = out + gates[:, e : e + 1] * y
     if moe.shared_expert is not None:
         out = out + moe.shared_expert(x)
     return out
@@ -45,8 +53,7 @@ def grads_of(module, x, out, g):
 @pytest.mark.parametrize("shared", [0, 1])
 def test_loop_matches_dense_reference(router_softmax, shared):
     torch.manual_seed(0)
-    moe = MoE(moe_config(router_softmax=router_softmax, n_shared_experts=shared,
-                         moe_impl="loop")).double()
+    moe = MoE(moe_config(router_softmax=router_softmax, n_shared_experts=shared, moe_impl="loop")).double()
     x = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)
     out = moe(x)
     ref = dense_reference(moe, x.reshape(-1, 16)).view(3, 7, 16)
@@ -73,8 +80,7 @@ def test_grouped_mm_matches_loop_on_cpu():
     torch.manual_seed(2)
     loop = MoE(moe_config(moe_impl="loop"))
     try:
-        torch._grouped_mm(torch.ones(2, 8), torch.ones(1, 8, 8),
-                          offs=torch.tensor([2], dtype=torch.int32))
+        torch._grouped_mm(torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32))
     except RuntimeError as err:
         pytest.skip(f"torch._grouped_mm does not run on CPU in this torch: {err}")
     grouped = MoE(moe_config(moe_impl="grouped_mm"))
@@ -98,8 +104,9 @@ def test_auto_path_on_cuda_bf16_matches_loop():
 
 
 def test_aux_losses_by_hand():
-    config = moe_config(dim=4, n_heads=1, n_experts=4, top_k=2, n_shared_experts=0,
-                        aux_loss_coef=0.5, z_loss_coef=0.25)
+    config = moe_config(
+        dim=4, n_heads=1, n_experts=4, top_k=2, n_shared_experts=0, aux_loss_coef=0.5, z_loss_coef=0.25
+    )
     moe = MoE(config).double()
     with torch.no_grad():
         moe.router.gate.weight.copy_(torch.eye(4))  # logits = x
@@ -149,8 +156,7 @@ def test_model_aux_loss_and_router_stats():
     model(torch.randint(0, 256, (2, 12)))
     layers = model.moe_layers()
     assert list(layers) == ["layers.0.feed_forward", "layers.1.feed_forward"]
-    expected = sum(m.aux_loss_coef * m.load_balance_loss + m.z_loss_coef * m.z_loss
-                   for m in layers.values())
+    expected = sum(m.aux_loss_coef * m.load_balance_loss + m.z_loss_coef * m.z_loss for m in layers.values())
     aux = model.aux_loss()
     assert aux.requires_grad
     torch.testing.assert_close(aux, expected)

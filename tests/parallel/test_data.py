@@ -41,7 +41,7 @@ def _loss(model, tokens) -> torch.Tensor:
     return models.cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference():
     """Single process, whole global batch per step: params, optimizer state, norms, losses."""
     model = models.build_model(_config())
@@ -57,8 +57,14 @@ def reference():
         opt.step()
         opt.zero_grad()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = {n: {"master": p.detach().clone(), "exp_avg": opt.state[p]["exp_avg"],
-                 "exp_avg_sq": opt.state[p]["exp_avg_sq"]} for n, p in model.named_parameters()}
+    state = {
+        n: {
+            "master": p.detach().clone(),
+            "exp_avg": opt.state[p]["exp_avg"],
+            "exp_avg_sq": opt.state[p]["exp_avg_sq"],
+        }
+        for n, p in model.named_parameters()
+    }
     return params, state, norms, losses
 
 
@@ -75,7 +81,7 @@ def _train(ctx, mesh, dp, opt, model, steps, log: dict | None = None):
         tokens = _tokens(step)
         loss_sum = 0.0
         for micro in range(ACCUM):
-            rows = tokens[micro * MICRO + rank * per: micro * MICRO + (rank + 1) * per]
+            rows = tokens[micro * MICRO + rank * per : micro * MICRO + (rank + 1) * per]
             sync = micro == ACCUM - 1
             t0 = time.time()
             with contextlib.nullcontext() if sync else dp.no_sync():
@@ -112,9 +118,13 @@ def job_train(ctx, zeros, roundtrip):
         dp.events = []
         log: dict = {}
         hist = _train(ctx, mesh, dp, opt, model, range(STEPS), log)
-        views = all(p.grad is None if zero == 2 else
-                    p.grad.untyped_storage().data_ptr() == dp.buckets[dp.slots[n].bucket].grad.untyped_storage().data_ptr()
-                    for n, p in model.named_parameters())
+        views = all(
+            p.grad is None
+            if zero == 2
+            else p.grad.untyped_storage().data_ptr()
+            == dp.buckets[dp.slots[n].bucket].grad.untyped_storage().data_ptr()
+            for n, p in model.named_parameters()
+        )
         sd = opt.state_dict_per_param()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         sums = torch.stack([p.double().sum() for p in params.values()])
@@ -123,17 +133,28 @@ def job_train(ctx, zeros, roundtrip):
             model2, dp2, opt2 = _fresh(mesh, (zero + 1) % 3)
             opt2.load_state_dict_per_param(sd)
             sd2 = opt2.state_dict_per_param()
-            ok = all(torch.equal(sd[n][k], sd2[n][k]) for n in dp.slots for k in sd[n]) and sd2["__step__"] == STEPS
+            ok = (
+                all(torch.equal(sd[n][k], sd2[n][k]) for n in dp.slots for k in sd[n])
+                and sd2["__step__"] == STEPS
+            )
             _train(ctx, mesh, dp, opt, model, [STEPS])
             _train(ctx, mesh, dp2, opt2, model2, [STEPS])
-            after = max((p - dict(model2.named_parameters())[n]).abs().max().item()
-                        for n, p in model.named_parameters())
+            after = max(
+                (p - dict(model2.named_parameters())[n]).abs().max().item()
+                for n, p in model.named_parameters()
+            )
             dp2.remove_hooks()
         res[zero] = {
-            "params": params if ctx.rank == 0 else None, "sums": sums,
+            "params": params if ctx.rank == 0 else None,
+            "sums": sums,
             "state": sd if ctx.rank == 0 else None,
-            "norms": [n for n, _ in hist], "log": log, "buckets": len(dp.buckets), "stats": dict(dp.stats),
-            "views": views, "roundtrip": ok, "after_load_diff": after,
+            "norms": [n for n, _ in hist],
+            "log": log,
+            "buckets": len(dp.buckets),
+            "stats": dict(dp.stats),
+            "views": views,
+            "roundtrip": ok,
+            "after_load_diff": after,
         }
         dp.remove_hooks()
     return res
@@ -152,7 +173,10 @@ FAKE = {"a": ((7, 5), 0), "b": ((5, 9), 1), "c": ((6,), None), "d": ((4, 4), Non
 
 def _fake_full():
     g = torch.Generator().manual_seed(7)
-    return {n: (torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for n, (shape, _) in FAKE.items()}
+    return {
+        n: (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for n, (shape, _) in FAKE.items()
+    }
 
 
 def _shard(name, t, tp_rank, tp):
@@ -179,8 +203,11 @@ def job_clip_tp(ctx, dp_size, tp, max_norm):
     ps = local_params()
     for n, p in ps.items():
         p.grad = _shard(n, full[n][1], tp_rank, tp)
-    out["plain"] = (clip_grad_norm_(list(ps.values()), max_norm, mesh).item(),
-                    {n: p.grad.clone() for n, p in ps.items()}, grad_norm(ps.values(), mesh).item())
+    out["plain"] = (
+        clip_grad_norm_(list(ps.values()), max_norm, mesh).item(),
+        {n: p.grad.clone() for n, p in ps.items()},
+        grad_norm(ps.values(), mesh).item(),
+    )
     for zero in (0, 1, 2):
         module = nn.ParameterDict(local_params())
         dp = DataParallel(module, mesh, zero=zero, bucket_mb=1e-4)  # several buckets of a few params
@@ -205,15 +232,21 @@ def job_bf16_bytes(ctx):
             # masters start from the fp32 init itself, not from its bf16 rounding
             "masters_start_exact": all(torch.equal(sd0[n]["master"], w) for n, w in init.items()),
             "grads_dropped": all(p.grad is None for p in model.parameters()),  # only fp32 main_grad kept
-            "losses": [loss for _, loss in hist], "norms": [n for n, _ in hist],
+            "losses": [loss for _, loss in hist],
+            "norms": [n for n, _ in hist],
             "param_dtypes": {p.dtype for p in model.parameters()},
             "master_dtypes": {st.master.dtype for st in opt.shards},
             "main_grad_dtypes": {p.main_grad.dtype for p in model.parameters()},
             # the bf16 parameters are the rounded fp32 masters, and the masters are not bf16 values
-            "params_are_rounded_masters": all(torch.equal(dp.buckets[i].data[slice(*dp.opt_range(i))],
-                                                          st.master.bfloat16()) for i, st in enumerate(opt.shards)),
-            "master_has_fp32_bits": any(not torch.equal(st.master, st.master.bfloat16().float()) for st in opt.shards),
-            "state_bytes": opt.state_bytes(), "grad_bytes": dp.grad_bytes(),
+            "params_are_rounded_masters": all(
+                torch.equal(dp.buckets[i].data[slice(*dp.opt_range(i))], st.master.bfloat16())
+                for i, st in enumerate(opt.shards)
+            ),
+            "master_has_fp32_bits": any(
+                not torch.equal(st.master, st.master.bfloat16().float()) for st in opt.shards
+            ),
+            "state_bytes": opt.state_bytes(),
+            "grad_bytes": dp.grad_bytes(),
             "numel": sum(s.numel for s in dp.specs),
         }
         dp.remove_hooks()
@@ -230,7 +263,7 @@ def _close(got: dict, want: dict, rtol: float, atol: float) -> list[str]:
     return bad
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trained(ws: int):
     """One job per world size serves both the equivalence and the overlap tests."""
     return harness.run(ws, job_train, (0, 1, 2), ws == 3, timeout=120)
@@ -250,13 +283,21 @@ def test_zero_0_1_2_equal_single_device(ws):
             assert torch.equal(res[r][zero]["sums"], r0["sums"]), f"zero={zero}: rank {r} diverged"
         # optimizer state per parameter equals torch's AdamW state (so it is the same for every zero)
         for key in ("master", "exp_avg", "exp_avg_sq"):
-            bad = _close({n: s[key] for n, s in r0["state"].items() if n != "__step__"},
-                         {n: s[key] for n, s in ref_state.items()}, rtol=1e-5, atol=1e-7 if key != "master" else 1e-6)
+            bad = _close(
+                {n: s[key] for n, s in r0["state"].items() if n != "__step__"},
+                {n: s[key] for n, s in ref_state.items()},
+                rtol=1e-5,
+                atol=1e-7 if key != "master" else 1e-6,
+            )
             assert not bad, f"zero={zero} {key}:\n" + "\n".join(bad[:5])
         assert r0["state"]["__step__"] == STEPS
         if ws == 3:
-            assert all(res[r][zero]["roundtrip"] for r in range(ws)), "state_dict_per_param round trip across zero"
-            assert r0["after_load_diff"] < 1e-6, f"zero={zero}: a step after loading into another stage diverged"
+            assert all(res[r][zero]["roundtrip"] for r in range(ws)), (
+                "state_dict_per_param round trip across zero"
+            )
+            assert r0["after_load_diff"] < 1e-6, (
+                f"zero={zero}: a step after loading into another stage diverged"
+            )
         # fp32 mode: gradients are views into the buckets (zero=2: released after the reduce-scatter)
         assert r0["views"], f"zero={zero}: p.grad is not a view into the flat buckets"
 
@@ -327,7 +368,9 @@ def test_clip_grad_norm_with_tp_shards_matches_torch(ws, dp_size, tp):
     for rank, out in enumerate(res):
         tp_rank = rank % tp
         norm, grads, after = out["plain"]
-        assert norm == pytest.approx(want, rel=1e-6), f"rank {rank}: plain-param norm (replicated counted once?)"
+        assert norm == pytest.approx(want, rel=1e-6), (
+            f"rank {rank}: plain-param norm (replicated counted once?)"
+        )
         assert after == pytest.approx(max_norm, rel=1e-5)
         for n, g in grads.items():
             torch.testing.assert_close(g, _shard(n, ref[n].grad, tp_rank, tp), rtol=1e-6, atol=1e-7)
@@ -335,7 +378,9 @@ def test_clip_grad_norm_with_tp_shards_matches_torch(ws, dp_size, tp):
             norm, grads, after, nb = out[zero]
             assert nb > 1
             assert norm == pytest.approx(want, rel=1e-5), f"rank {rank} zero={zero}: DataParallel norm"
-            assert after == pytest.approx(max_norm, rel=1e-5), f"rank {rank} zero={zero}: clipping not applied everywhere"
+            assert after == pytest.approx(max_norm, rel=1e-5), (
+                f"rank {rank} zero={zero}: clipping not applied everywhere"
+            )
             for n, g in (grads or {}).items():
                 torch.testing.assert_close(g, _shard(n, ref[n].grad, tp_rank, tp), rtol=1e-5, atol=1e-7)
 
@@ -346,7 +391,10 @@ def test_bf16_keeps_fp32_masters_and_zero_shards_state():
     r = res[0]
     print("\nper-rank bytes at dp=4, bf16 params, fp32 masters/moments/grads:")
     for zero in (0, 1, 2):
-        print(f"  zero={zero}: optimizer state {r[zero]['state_bytes']:>9,} B   gradients {r[zero]['grad_bytes']:>9,} B")
+        print(
+            f"  zero={zero}: optimizer state {r[zero]['state_bytes']:>9,} B   "
+            f"gradients {r[zero]['grad_bytes']:>9,} B"
+        )
     numel = r[0]["numel"]
     for zero in (0, 1, 2):
         x = r[zero]
@@ -355,7 +403,9 @@ def test_bf16_keeps_fp32_masters_and_zero_shards_state():
         assert x["params_are_rounded_masters"] and x["master_has_fp32_bits"]
         assert x["masters_start_exact"] and x["grads_dropped"]
         assert x["losses"] == pytest.approx(ref_losses, rel=2e-2), f"zero={zero}: bf16 losses far from fp32"
-        assert x["norms"] == pytest.approx(ref_norms, rel=3e-2), f"zero={zero}: bf16 gradient norms far from fp32"
+        assert x["norms"] == pytest.approx(ref_norms, rel=3e-2), (
+            f"zero={zero}: bf16 gradient norms far from fp32"
+        )
     # counted bytes: masters + two moments, fp32; ZeRO-1/2 hold exactly 1/dp of them
     assert r[0]["state_bytes"] == 12 * numel
     assert r[1]["state_bytes"] == r[2]["state_bytes"] == 12 * numel // 4

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from meshspeed import comm
+from meshspeed.comm.placement import full_grad
 from meshspeed.models import build_model, cross_entropy_loss, get_preset, recipe_for
 from meshspeed.parallel.optim import build_data_parallel
 from meshspeed.parallel.pipeline.runtime import PipelineRuntime
 from meshspeed.parallel.pipeline.split_backward import split_backward
 from meshspeed.parallel.pipeline.stage import build_stages, stage_layouts
-from meshspeed.comm.placement import full_grad
 from meshspeed.train import config
 from meshspeed.train.trainer import Trainer
 from tests import harness
@@ -73,8 +73,14 @@ def _reference(preset: str, n_dp: int):
         # mean of the micro-batch means (their aux losses included; MoE runs use dp 1, where
         # micro-batch a is rows [a·micro, (a+1)·micro)); the CE mean is over all rows
         step = len(x) // M
-        loss = sum(cross_entropy_loss(model(x[i * step:(i + 1) * step]), y[i * step:(i + 1) * step])
-                   + model.aux_loss() for i in range(M)) / M
+        loss = (
+            sum(
+                cross_entropy_loss(model(x[i * step : (i + 1) * step]), y[i * step : (i + 1) * step])
+                + model.aux_loss()
+                for i in range(M)
+            )
+            / M
+        )
         ce = cross_entropy_loss(model(x), y).item()
         loss.backward()
         _REF[(preset, n_dp)] = ce, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -96,8 +102,11 @@ def _check(results, n_dp: int, preset: str = "tiny") -> None:
         assert seen == set(want), f"{name}: gradients missing for {sorted(set(want) - seen)[:4]}"
 
 
-@pytest.mark.parametrize("dims", [{"pp": 2}, {"pp": 4}, {"pp": 2, "tp": 2}, {"pp": 2, "dp": 2}],
-                         ids=["pp2", "pp4", "pp2-tp2", "pp2-dp2"])
+@pytest.mark.parametrize(
+    "dims",
+    [{"pp": 2}, {"pp": 4}, {"pp": 2, "tp": 2}, {"pp": 2, "dp": 2}],
+    ids=["pp2", "pp4", "pp2-tp2", "pp2-dp2"],
+)
 def test_every_schedule_matches_one_process(dims):
     runs = [(name, vpp, False) for name, vpp in ALL]
     if dims.get("tp") == 2:  # and sequence parallelism: stage messages are [micro, seq/tp, dim]
@@ -129,10 +138,20 @@ def test_split_backward_defers_every_weight_gradient():
 
 
 # -- trainer --------------------------------------------------------------------------------
-BASE = [("model.n_layers", "4"), ("model.dim", "64"), ("train.seq_len", "32"), ("train.global_batch_size", "8"),
-        ("train.micro_batch_size", "2"), ("train.dtype", "float32"), ("train.eval_interval", "2"),
-        ("train.eval_batches", "1"), ("train.warmup_steps", "2"), ("train.steps", "4"), ("data.max_mb", "1"),
-        ("parallel.tp", "1")]
+BASE = [
+    ("model.n_layers", "4"),
+    ("model.dim", "64"),
+    ("train.seq_len", "32"),
+    ("train.global_batch_size", "8"),
+    ("train.micro_batch_size", "2"),
+    ("train.dtype", "float32"),
+    ("train.eval_interval", "2"),
+    ("train.eval_batches", "1"),
+    ("train.warmup_steps", "2"),
+    ("train.steps", "4"),
+    ("data.max_mb", "1"),
+    ("parallel.tp", "1"),
+]
 
 
 def job_train(ctx, run_dir: str, extra: list):
@@ -152,7 +171,9 @@ def _close(got: list[dict], want: list[dict], what: str) -> None:
         # on CPU, and pipeline stages cut the buckets differently
         for key, tol in (("loss", 1e-5), ("val_loss", 1e-5), ("grad_norm", 1e-4)):
             if key in w:
-                assert abs(g[key] - w[key]) <= tol * abs(w[key]), f"{what} step {g['step']} {key}: {g[key]} vs {w[key]}"
+                assert abs(g[key] - w[key]) <= tol * abs(w[key]), (
+                    f"{what} step {g['step']} {key}: {g[key]} vs {w[key]}"
+                )
 
 
 def test_trainer_losses_and_checkpoints_across_pipeline_layouts(tmp_path):
@@ -169,8 +190,18 @@ def test_trainer_losses_and_checkpoints_across_pipeline_layouts(tmp_path):
     assert [r["step"] for r in got] == [0, 1, 2, 3]
     _close(got, want, "pp2 -> pp1")
     # pp 1's step-2 checkpoint resumed under pp 2 × vpp 2 (interleaved), tracing the pipeline
-    harness.run(2, job_train, b, [("parallel.pp", "2"), ("parallel.vpp", "2"), ("parallel.pp_schedule", "interleaved"),
-                                  ("parallel.pp_trace", "true"), ("checkpoint.resume", os.path.join(ref, "step-000002"))])
+    harness.run(
+        2,
+        job_train,
+        b,
+        [
+            ("parallel.pp", "2"),
+            ("parallel.vpp", "2"),
+            ("parallel.pp_schedule", "interleaved"),
+            ("parallel.pp_trace", "true"),
+            ("checkpoint.resume", os.path.join(ref, "step-000002")),
+        ],
+    )
     got = _rows(b)
     assert [r["step"] for r in got] == [2, 3]
     _close(got, want, "pp1 -> pp2 interleaved")
@@ -180,17 +211,40 @@ def test_trainer_losses_and_checkpoints_across_pipeline_layouts(tmp_path):
 
 
 # -- bad input ------------------------------------------------------------------------------
-@pytest.mark.parametrize("extra,ws,needle", [
-    ([("parallel.pp", "4"), ("parallel.vpp", "2"), ("parallel.pp_schedule", "interleaved"),
-      ("train.global_batch_size", "4")], 4, "microbatches=2 must be a multiple of pp=4"),
-    ([("parallel.pp", "2"), ("parallel.vpp", "2"), ("parallel.pp_schedule", "interleaved"), ("model.n_layers", "6")],
-     2, "parallel.vpp=2: n_layers=6 does not divide into pp*vpp = 4 equal model chunks"),
-    ([("parallel.pp", "4"), ("parallel.pp_layout", "2,0,1,1")], 4, "stage 1 is empty"),
-    ([("parallel.pp", "4"), ("model.n_layers", "2")], 4, "n_layers=2 cannot fill pp*vpp = 4 stages"),
-    ([("parallel.pp", "2"), ("parallel.pp_schedule", "interleaved")], 2, "needs parallel.vpp >= 2"),
-    ([("parallel.pp", "2"), ("parallel.pp_layout", "3,3")], 2, "places 6 layers but the model has n_layers=4"),
-    ([("parallel.vpp", "2")], 1, "parallel.vpp=2 needs parallel.pp > 1"),
-])
+@pytest.mark.parametrize(
+    "extra,ws,needle",
+    [
+        (
+            [
+                ("parallel.pp", "4"),
+                ("parallel.vpp", "2"),
+                ("parallel.pp_schedule", "interleaved"),
+                ("train.global_batch_size", "4"),
+            ],
+            4,
+            "microbatches=2 must be a multiple of pp=4",
+        ),
+        (
+            [
+                ("parallel.pp", "2"),
+                ("parallel.vpp", "2"),
+                ("parallel.pp_schedule", "interleaved"),
+                ("model.n_layers", "6"),
+            ],
+            2,
+            "parallel.vpp=2: n_layers=6 does not divide into pp*vpp = 4 equal model chunks",
+        ),
+        ([("parallel.pp", "4"), ("parallel.pp_layout", "2,0,1,1")], 4, "stage 1 is empty"),
+        ([("parallel.pp", "4"), ("model.n_layers", "2")], 4, "n_layers=2 cannot fill pp*vpp = 4 stages"),
+        ([("parallel.pp", "2"), ("parallel.pp_schedule", "interleaved")], 2, "needs parallel.vpp >= 2"),
+        (
+            [("parallel.pp", "2"), ("parallel.pp_layout", "3,3")],
+            2,
+            "places 6 layers but the model has n_layers=4",
+        ),
+        ([("parallel.vpp", "2")], 1, "parallel.vpp=2 needs parallel.pp > 1"),
+    ],
+)
 def test_bad_pipeline_settings_fail_at_start_up(extra, ws, needle):
     cfg = config.load(None, BASE + extra)
     with pytest.raises(comm.ConfigError, match=None) as err:
@@ -204,9 +258,30 @@ def test_tied_embeddings_are_refused_for_pp():
 
 
 def test_cli_bad_pipeline_setting_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "meshspeed", "train", "--nproc", "2", "--parallel.tp", "1",
-                          "--parallel.pp", "2", "--parallel.pp_schedule", "interleaved", "--parallel.vpp", "2",
-                          "--model.n_layers", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshspeed",
+            "train",
+            "--nproc",
+            "2",
+            "--parallel.tp",
+            "1",
+            "--parallel.pp",
+            "2",
+            "--parallel.pp_schedule",
+            "interleaved",
+            "--parallel.vpp",
+            "2",
+            "--model.n_layers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "n_layers=2 cannot fill pp*vpp = 4 stages" in lines[0], out.stderr

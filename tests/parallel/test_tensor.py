@@ -97,7 +97,8 @@ def job_model(ctx, overrides: dict, sp: bool) -> list[str]:
     ]
     # each piece owns exactly its bytes: no view keeping the full initial value alive
     bad += [
-        f"born-sharded {n} holds {q.untyped_storage().nbytes()} B of storage for {q.numel() * q.element_size()} B"
+        f"born-sharded {n} holds {q.untyped_storage().nbytes()} B of storage "
+        f"for {q.numel() * q.element_size()} B"
         for n, q in born.named_parameters()
         if q.untyped_storage().nbytes() != q.numel() * q.element_size()
     ]

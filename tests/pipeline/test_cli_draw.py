@@ -29,8 +29,23 @@ def test_show_1f1b_prints_3_over_11(capsys):
 
 
 def test_show_all_compares_every_schedule(capsys, tmp_path):
-    code, out, _ = run(["pipeline", "show", "--schedule", "all", "--pp", "4", "--microbatches", "8", "--vpp", "2",
-                        "--json", str(tmp_path / "all.json")], capsys)
+    code, out, _ = run(
+        [
+            "pipeline",
+            "show",
+            "--schedule",
+            "all",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--vpp",
+            "2",
+            "--json",
+            str(tmp_path / "all.json"),
+        ],
+        capsys,
+    )
     assert code == 0
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln and ln.split()[0] in cmd_names()}
     assert "3/11" in lines["1f1b"] and "3/11" in lines["gpipe"]
@@ -71,7 +86,9 @@ def test_ascii_timeline_shows_every_action_and_idle():
 def test_png_written(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "il.png"
-    code, text, _ = run(["pipeline", "show", "--schedule", "interleaved", "--vpp", "2", "--png", str(out)], capsys)
+    code, text, _ = run(
+        ["pipeline", "show", "--schedule", "interleaved", "--vpp", "2", "--png", str(out)], capsys
+    )
     assert code == 0 and f"wrote {out}" in text
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 

@@ -5,17 +5,17 @@ from collections import Counter
 import pytest
 
 from meshspeed.parallel.pipeline import (
-    B,
-    F,
     RECV_B,
     RECV_F,
     SCHEDULES,
     SEND_B,
     SEND_F,
-    W,
     Action,
+    B,
     DeadlockError,
+    F,
     ScheduleError,
+    W,
     build_schedule,
     format_schedule,
     get_schedule,
@@ -30,7 +30,7 @@ from meshspeed.parallel.pipeline import (
 def _cases():
     for name, fn in SCHEDULES.items():
         for pp in range(1, 6):
-            for vpp in ([2, 3] if fn.interleaved else [1]):
+            for vpp in [2, 3] if fn.interleaved else [1]:
                 ms = [pp, 2 * pp, 3 * pp] if fn.interleaved else sorted({1, 2, pp, pp + 1, 2 * pp + 3})
                 for m in ms:
                     yield name, pp, vpp, m
@@ -70,7 +70,12 @@ def _check_pairs(pp, src, dst, out, got):
         # forward output of stage chunk*pp+src goes to the next stage, gradients to the previous one
         stage = s.chunk * pp + src
         nxt = stage + 1 if s.kind == SEND_F else stage - 1
-        assert (r.kind, r.microbatch, nxt % pp, nxt // pp) == ({SEND_F: RECV_F, SEND_B: RECV_B}[s.kind], s.microbatch, dst, r.chunk)
+        assert (r.kind, r.microbatch, nxt % pp, nxt // pp) == (
+            {SEND_F: RECV_F, SEND_B: RECV_B}[s.kind],
+            s.microbatch,
+            dst,
+            r.chunk,
+        )
 
 
 def test_no_comms_for_single_rank():
@@ -95,17 +100,23 @@ def _swap(acts, a, b):
 
 def test_swapped_actions_deadlock_is_named():
     sched = build_schedule("1f1b", 4, 1, 8, comms=False)
-    # rank 0 now waits for B0's gradient before sending F2 and F3 (in that swapped order F3 first), which rank 1
-    # needs before it can do B0: rank 1 receives in send order, so it blocks on F3
+    # rank 0 now waits for B0's gradient before sending F2 and F3 (in that swapped order F3 first), which
+    # rank 1 needs before it can do B0: rank 1 receives in send order, so it blocks on F3
     _swap(sched[0], "F2.0", "B0.0")
-    with pytest.raises(DeadlockError, match=r"deadlock between ranks 0 -> 1 -> 0: rank 0 blocks at rB0.0<1 .*gradient for B0.0 from rank 1.*rank 1 blocks at rF3.0<0"):
+    with pytest.raises(
+        DeadlockError,
+        match=r"deadlock between ranks 0 -> 1 -> 0: rank 0 blocks at rB0.0<1 .*gradient for B0.0 from rank 1"
+        r".*rank 1 blocks at rF3.0<0",
+    ):
         validate(sched, 4, 1, 8)
 
 
 def test_missing_send_is_named():
     sched = build_schedule("1f1b", 2, 1, 2)
     sched[1].remove(parse_action("sB1.0>0"))
-    with pytest.raises(DeadlockError, match="rank 0 blocks at rB1.0<1 .* from rank 1, which finished without sending it"):
+    with pytest.raises(
+        DeadlockError, match="rank 0 blocks at rB1.0<1 .* from rank 1, which finished without sending it"
+    ):
         simulate(sched, 2, 1)
 
 
@@ -156,7 +167,11 @@ def test_bad_input(name, pp, vpp, m, message):
 
 
 def test_unknown_schedule_lists_valid_names():
-    with pytest.raises(ScheduleError, match="'zb' is unknown; valid schedules: gpipe, 1f1b, interleaved, interleaved-extra-warmup, zero-bubble"):
+    with pytest.raises(
+        ScheduleError,
+        match="'zb' is unknown; valid schedules: gpipe, 1f1b, interleaved, "
+        "interleaved-extra-warmup, zero-bubble",
+    ):
         get_schedule("zb")
 
 

@@ -4,7 +4,15 @@ from fractions import Fraction
 
 import pytest
 
-from meshspeed.parallel.pipeline import Costs, ScheduleError, build_schedule, closed_form, evaluate, fb_overlap, simulate
+from meshspeed.parallel.pipeline import (
+    Costs,
+    ScheduleError,
+    build_schedule,
+    closed_form,
+    evaluate,
+    fb_overlap,
+    simulate,
+)
 
 
 def test_1f1b_pp4_m8_is_exactly_3_over_11():
@@ -39,8 +47,10 @@ def test_zero_bubble_closed_form_with_equal_costs(pp, m):
 
 
 def test_ordering_at_pp4_m8():
-    bubble = {name: evaluate(name, 4, 2 if "interleaved" in name else 1, 8).bubble for name in
-              ("gpipe", "1f1b", "interleaved", "interleaved-extra-warmup", "zero-bubble")}
+    bubble = {
+        name: evaluate(name, 4, 2 if "interleaved" in name else 1, 8).bubble
+        for name in ("gpipe", "1f1b", "interleaved", "interleaved-extra-warmup", "zero-bubble")
+    }
     assert bubble["gpipe"] == bubble["1f1b"] == Fraction(3, 11)
     assert bubble["interleaved"] == Fraction(3, 19) < bubble["1f1b"]
     assert bubble["zero-bubble"] == Fraction(1, 9) < bubble["interleaved"]

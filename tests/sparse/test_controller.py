@@ -53,7 +53,13 @@ def _train(model, opt, ctl, steps, start=1, seed=0, on_update=None):
 @pytest.mark.parametrize("distribution", ["uniform", "erk"])
 def test_layer_budgets_average_to_global_target(adapter, distribution):
     model = _model()
-    cfg = SparsityConfig(pattern="unstructured", target=0.8, adapter=adapter, distribution=distribution, max_layer_sparsity=0.95)
+    cfg = SparsityConfig(
+        pattern="unstructured",
+        target=0.8,
+        adapter=adapter,
+        distribution=distribution,
+        max_layer_sparsity=0.95,
+    )
     sparsify(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ctl = MaskController(model, opt, cfg)
@@ -72,7 +78,14 @@ def test_layer_budgets_average_to_global_target(adapter, distribution):
 
 def test_rigl_constant_density_zero_regrowth_and_adam_state():
     model = _model()
-    cfg = SparsityConfig(pattern="unstructured", target=0.75, method="rigl", update_interval=2, drop_fraction=0.3, total_steps=100)
+    cfg = SparsityConfig(
+        pattern="unstructured",
+        target=0.75,
+        method="rigl",
+        update_interval=2,
+        drop_fraction=0.3,
+        total_steps=100,
+    )
     sparsify(model, cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ctl = MaskController(model, opt, cfg)
@@ -128,8 +141,16 @@ def test_set_random_growth_is_seeded_and_keeps_density():
 
 def test_nm_schedule_ramps_sparse_layers_and_lambda():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-    cfg = SparsityConfig(pattern="2:4", method="sr-ste", schedule="cubic", warmup_steps=2, ramp_steps=8,
-                         update_interval=1, total_steps=20, dense_finish_steps=3)
+    cfg = SparsityConfig(
+        pattern="2:4",
+        method="sr-ste",
+        schedule="cubic",
+        warmup_steps=2,
+        ramp_steps=8,
+        update_interval=1,
+        total_steps=20,
+        dense_finish_steps=3,
+    )
     sparsify(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ctl = MaskController(model, opt, cfg)
@@ -161,10 +182,13 @@ def test_flip_rate_recorded_per_update_and_cadence():
     sparsify(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ctl = MaskController(model, opt, cfg)
+
     def check(step, rec, old):
         total = sum(flip_count(old[n], t.mask) for n, t in ctl.targets)
         assert rec.flip_rate == pytest.approx(total / sum(t.mask.numel() for _, t in ctl.targets))
-        assert rec.layers["0"].flip_rate == pytest.approx(flip_count(old["0"], ctl.targets[0][1].mask) / (32 * 16))
+        assert rec.layers["0"].flip_rate == pytest.approx(
+            flip_count(old["0"], ctl.targets[0][1].mask) / (32 * 16)
+        )
 
     records = _train(model, opt, ctl, 7, on_update=check)
     assert [s for s, r, _ in records if r is not None] == [3, 6]

@@ -57,7 +57,10 @@ def test_filters_glob_regex_predicate():
     m = _model()
     assert sparsify(m, SparsityConfig(), filter=re.compile(r"mlp\.2$")) == ["0.mlp.2", "1.mlp.2"]
     m = _model()
-    assert sparsify(m, SparsityConfig(), filter=lambda name, mod: mod.out_features == 32) == ["0.mlp.0", "1.mlp.0"]
+    assert sparsify(m, SparsityConfig(), filter=lambda name, mod: mod.out_features == 32) == [
+        "0.mlp.0",
+        "1.mlp.0",
+    ]
 
 
 def test_sparsify_keeps_parameters_and_names():
@@ -70,12 +73,16 @@ def test_sparsify_keeps_parameters_and_names():
     assert all(before[k] is after[k] for k in before)  # optimizer still holds the live Parameters
     assert opt.param_groups[0]["params"][0] is m[0].attn.weight
     assert isinstance(m[0].attn, SparseLinear) and m[0].attn.name == "0.attn"
-    assert {k for k in m.state_dict() if k.endswith("mask")} == {f"{b}.{l}.mask" for b in "01" for l in ("attn", "mlp.0", "mlp.2")}
+    assert {k for k in m.state_dict() if k.endswith("mask")} == {
+        f"{b}.{sub}.mask" for b in "01" for sub in ("attn", "mlp.0", "mlp.2")
+    }
 
 
 def test_sparsify_rejects_bad_input_dim_naming_layer():
     m = nn.Sequential(nn.Linear(10, 8))
-    with pytest.raises(ValueError, match=r"^0 of shape \(8, 10\): last \(input\) dim 10 is not a multiple of M=4"):
+    with pytest.raises(
+        ValueError, match=r"^0 of shape \(8, 10\): last \(input\) dim 10 is not a multiple of M=4"
+    ):
         sparsify(m, SparsityConfig(pattern="2:4", transposable=False))
 
 
@@ -102,7 +109,9 @@ def test_roundtrip_preserves_outputs(pattern):
 def test_per_expert_nm_masks_and_ste():
     torch.manual_seed(0)
     model = nn.Sequential(Experts())
-    names = sparsify_params(model, SparsityConfig(pattern="2:4", transposable=False, sr_ste_lambda=0.1), "*.w1")
+    names = sparsify_params(
+        model, SparsityConfig(pattern="2:4", transposable=False, sr_ste_lambda=0.1), "*.w1"
+    )
     assert names == ["0.w1"]
     exp = model[0]
     assert "w1" in dict(exp.named_parameters()) and "w1_mask" in dict(exp.named_buffers())
@@ -127,7 +136,9 @@ def test_per_expert_transposable_and_unstructured_budgets():
     torch.manual_seed(1)
     model = nn.Sequential(Experts(n=4, dim=8, hidden=16))
     sparsify_params(model, SparsityConfig(pattern="2:4"), "*.w*")
-    assert all(is_transposable_nm(model[0].w1_mask[e]) and is_transposable_nm(model[0].w2_mask[e]) for e in range(4))
+    assert all(
+        is_transposable_nm(model[0].w1_mask[e]) and is_transposable_nm(model[0].w2_mask[e]) for e in range(4)
+    )
     model = nn.Sequential(Experts(n=4))
     with torch.no_grad():
         model[0].w1[0].mul_(100)  # a loud expert must not take the others' budget

@@ -8,8 +8,16 @@ from meshspeed.sparse import SparseLinear, SparsityConfig, decide_path, nm_mask,
 from meshspeed.sparse.cuda import DENSE, DENSE_MASKED, SPARSE, SPARSE_FWD, min_tile
 
 BASE = dict(
-    nm=(2, 4), transposable=True, enabled=True, use_kernels=True, device_type="cuda", capability=(9, 0),
-    dtype=torch.bfloat16, out_features=256, in_features=512, backend="cutlass",
+    nm=(2, 4),
+    transposable=True,
+    enabled=True,
+    use_kernels=True,
+    device_type="cuda",
+    capability=(9, 0),
+    dtype=torch.bfloat16,
+    out_features=256,
+    in_features=512,
+    backend="cutlass",
 )
 
 

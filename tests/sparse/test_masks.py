@@ -24,7 +24,10 @@ SHAPES = [(8, 16), (12, 24), (5, 40), (3, 7, 16)]  # includes a stacked [E, out,
 
 def _random_shapes(seed, n=3, m=8):
     g = torch.Generator().manual_seed(seed)
-    return [(int(torch.randint(1, 20, (1,), generator=g)), m * int(torch.randint(1, 9, (1,), generator=g))) for _ in range(n)]
+    return [
+        (int(torch.randint(1, 20, (1,), generator=g)), m * int(torch.randint(1, 9, (1,), generator=g)))
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (4, 8), (3, 8)])
@@ -82,7 +85,8 @@ def test_transposable_patterns_are_the_90_valid_blocks():
     brute = sum(
         1
         for bits in itertools.product((0, 1), repeat=16)
-        if all(sum(bits[4 * r : 4 * r + 4]) == 2 for r in range(4)) and all(sum(bits[c::4]) == 2 for c in range(4))
+        if all(sum(bits[4 * r : 4 * r + 4]) == 2 for r in range(4))
+        and all(sum(bits[c::4]) == 2 for c in range(4))
     )
     assert brute == 90
 
@@ -126,7 +130,9 @@ def test_transposable_stacked_experts_and_errors():
     assert all(is_transposable_nm(mask[e]) for e in range(3))
     with pytest.raises(ValueError, match="multiples of 4"):
         transposable_2to4_mask(torch.randn(6, 8))
-    rows_only = torch.tensor([1, 1, 0, 0], dtype=torch.bool).repeat(8, 2)  # 2:4 along rows, 4:4 / 0:4 down columns
+    rows_only = torch.tensor([1, 1, 0, 0], dtype=torch.bool).repeat(
+        8, 2
+    )  # 2:4 along rows, 4:4 / 0:4 down columns
     assert is_nm(rows_only, 2, 4) and not is_transposable_nm(rows_only)
 
 

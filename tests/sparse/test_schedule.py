@@ -29,8 +29,15 @@ def test_cosine_and_constant():
 
 
 def test_dense_finish_phase():
-    cfg = SparsityConfig(pattern="unstructured", target=0.9, schedule="cubic", ramp_steps=50,
-                         warmup_steps=5, total_steps=200, dense_finish_steps=20)
+    cfg = SparsityConfig(
+        pattern="unstructured",
+        target=0.9,
+        schedule="cubic",
+        ramp_steps=50,
+        warmup_steps=5,
+        total_steps=200,
+        dense_finish_steps=20,
+    )
     sched = SparsitySchedule.from_config(cfg)
     assert sched.phase(0) == "warmup" and sched.phase(20) == "ramp" and sched.phase(100) == "sparse"
     assert sched(179) == pytest.approx(0.9) and sched(180) == 0.0 and sched.phase(199) == "dense-finish"

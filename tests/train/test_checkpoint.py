@@ -31,9 +31,21 @@ from meshspeed.train.safetensors_io import read_safetensors, write_safetensors
 from tests import harness
 
 # (FQN suffix, dim) of tensor-parallel shards; the odd sizes give uneven and empty shards.
-PLAN = [("tok_embeddings.weight", 0), ("wq.weight", 0), ("wk.weight", 0), ("wv.weight", 0), ("wo.weight", 1),
-        ("w1.weight", 0), ("w3.weight", 0), ("w2.weight", 1), ("output.weight", 0),
-        ("odd.weight", 0), ("odd.bias", 0), ("odd2", 1), ("lowp", 1)]
+PLAN = [
+    ("tok_embeddings.weight", 0),
+    ("wq.weight", 0),
+    ("wk.weight", 0),
+    ("wv.weight", 0),
+    ("wo.weight", 1),
+    ("w1.weight", 0),
+    ("w3.weight", 0),
+    ("w2.weight", 1),
+    ("output.weight", 0),
+    ("odd.weight", 0),
+    ("odd.bias", 0),
+    ("odd2", 1),
+    ("lowp", 1),
+]
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -74,7 +86,7 @@ def sharded_model(mesh, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     model = Model(seed)
     if mesh.dims.pp > 1:
         names = [n for n, _ in model.named_parameters()]
-        mine = set(names[mesh.coords["pp"]::mesh.dims.pp])
+        mine = set(names[mesh.coords["pp"] :: mesh.dims.pp])
         for name in names:
             if name not in mine:
                 owner, _, leaf = name.rpartition(".")
@@ -112,8 +124,16 @@ class StandInOptimizer:
             full_shape = sharding.full_shape if sharding is not None else p.shape
             self.state[name] = {}
             for k in STATE_KEYS:
-                local = _local(full_state(name, full_shape, k), _dim_of(name) if sharding is not None else None,
-                               tp, i) if fill else torch.zeros(p.shape)
+                local = (
+                    _local(
+                        full_state(name, full_shape, k),
+                        _dim_of(name) if sharding is not None else None,
+                        tp,
+                        i,
+                    )
+                    if fill
+                    else torch.zeros(p.shape)
+                )
                 self.state[name][k] = self._keep(local)
 
     def _keep(self, local: torch.Tensor) -> torch.Tensor:
@@ -121,7 +141,7 @@ class StandInOptimizer:
             return local.clone()
         dp = self.mesh["dp"]
         start, length = _bounds(local.numel(), dp.size, dp.rank)
-        return local.reshape(-1)[start:start + length].clone()
+        return local.reshape(-1)[start : start + length].clone()
 
     def state_dict_per_param(self) -> dict:
         out: dict = {"__step__": self.step}
@@ -179,19 +199,29 @@ def _reshard(ctx, run_dir: str, save: dict, loads: list[dict]) -> int:
 
 
 def test_reshard_tp2_to_tp1_and_zero_dp2_to_tp2(tmp_path):
-    assert harness.run(2, _reshard, str(tmp_path / "a"), {"tp": 2}, [{"dp": 2}, {"dp": 2, "zero": True}]) == [2, 2]
+    assert harness.run(2, _reshard, str(tmp_path / "a"), {"tp": 2}, [{"dp": 2}, {"dp": 2, "zero": True}]) == [
+        2,
+        2,
+    ]
     assert harness.run(2, _reshard, str(tmp_path / "b"), {"dp": 2, "zero": True}, [{"tp": 2}]) == [1, 1]
 
 
 def test_reshard_pipeline_stages_to_one_stage_and_back(tmp_path):
     # Each stage writes only its parameters; DCP's metadata is the union the loader reads.
-    out = harness.run(4, _reshard, str(tmp_path / "a"), {"pp": 2, "tp": 2}, [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}])
+    out = harness.run(
+        4, _reshard, str(tmp_path / "a"), {"pp": 2, "tp": 2}, [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}]
+    )
     assert out == [2] * 4
 
 
 def test_reshard_dp2_tp2_zero_to_tp4_and_dp4(tmp_path):
-    out = harness.run(4, _reshard, str(tmp_path), {"dp": 2, "tp": 2, "zero": True},
-                      [{"tp": 4}, {"dp": 4}, {"dp": 2, "tp": 2}])
+    out = harness.run(
+        4,
+        _reshard,
+        str(tmp_path),
+        {"dp": 2, "tp": 2, "zero": True},
+        [{"tp": 4}, {"dp": 4}, {"dp": 2, "tp": 2}],
+    )
     assert out == [3] * 4
 
 
@@ -219,8 +249,16 @@ def _resume(ctx, run_dir: str) -> list:
     model, _ = sharded_model(mesh, seed=1)
     torch.manual_seed(100 + ctx.rank)
     random.seed(200 + ctx.rank)
-    ckpt.save_checkpoint(run_dir, 3, model, StandInOptimizer(model, mesh), mesh, config=_Cfg(),
-                         scheduler_state={"last_epoch": 3, "base_lrs": [0.1]}, extra={"data": {"epoch": 1}})
+    ckpt.save_checkpoint(
+        run_dir,
+        3,
+        model,
+        StandInOptimizer(model, mesh),
+        mesh,
+        config=_Cfg(),
+        scheduler_state={"last_epoch": 3, "base_lrs": [0.1]},
+        extra={"data": {"epoch": 1}},
+    )
     first = (torch.rand(4), random.random())
     torch.manual_seed(0)  # lose the stream
     random.seed(0)
@@ -252,7 +290,7 @@ def _atomic(ctx, run_dir: str, where: str) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1)
-    target, attr = ((checkpoint_io.FileSystemWriter, "write_data") if where == "dcp" else (ckpt, "_save_rng"))
+    target, attr = (checkpoint_io.FileSystemWriter, "write_data") if where == "dcp" else (ckpt, "_save_rng")
     original = getattr(target, attr)
 
     def broken(*a, **k):
@@ -281,7 +319,9 @@ def _atomic(ctx, run_dir: str, where: str) -> str:
 def _check_params_only(mesh, model, seed: int) -> None:
     full = {n: p.detach() for n, p in Model(seed).named_parameters()}
     for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), _local(full[name], _dim_of(name), mesh.dims.tp, mesh.coords["tp"])), name
+        assert torch.equal(p.detach(), _local(full[name], _dim_of(name), mesh.dims.tp, mesh.coords["tp"])), (
+            name
+        )
 
 
 @pytest.mark.parametrize("where", ["dcp", "rng"])
@@ -368,28 +408,47 @@ def test_export_pipeline_stages_with_index(tmp_path):
 
 def test_safetensors_files_follow_the_format(tmp_path):
     """Written by the `safetensors` package; checked here against the format's definition."""
-    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(2, 5).bfloat16(), "f16": torch.randn(7).half(),
-               "i64": torch.arange(6).reshape(2, 3), "u8": torch.arange(5, dtype=torch.uint8),
-               "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    tensors = {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(2, 5).bfloat16(),
+        "f16": torch.randn(7).half(),
+        "i64": torch.arange(6).reshape(2, 3),
+        "u8": torch.arange(5, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+    }
     path = str(tmp_path / "t.safetensors")
     write_safetensors(path, tensors, {"k": "v"})
     raw = open(path, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     assert (8 + n) % 8 == 0 and header.pop("__metadata__") == {"k": "v"}
-    codes = {"f32": "F32", "bf16": "BF16", "f16": "F16", "i64": "I64", "u8": "U8", "bool": "BOOL",
-             "scalar": "F32", "empty": "F32"}
-    data = raw[8 + n:]
+    codes = {
+        "f32": "F32",
+        "bf16": "BF16",
+        "f16": "F16",
+        "i64": "I64",
+        "u8": "U8",
+        "bool": "BOOL",
+        "scalar": "F32",
+        "empty": "F32",
+    }
+    data = raw[8 + n :]
     for name, t in tensors.items():
         info = header[name]
         assert info["dtype"] == codes[name] and info["shape"] == list(t.shape)
         b, e = info["data_offsets"]
-        assert data[b:e] == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b == e
+        assert (
+            data[b:e] == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b == e
+        )
     assert max(v["data_offsets"][1] for v in header.values()) == len(data)
     back, meta = read_safetensors(path)
     assert meta == {"k": "v"} and sorted(back) == sorted(tensors)  # the package orders by dtype, then name
     for name, t in tensors.items():
-        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), (
+            name
+        )
 
 
 @pytest.fixture(scope="module")

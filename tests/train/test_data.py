@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from meshspeed.train import corpus as corpus_mod
-from meshspeed.train.data import (ByteTokenizer, DataError, GlobalBatchLoader, ValidationLoader,
-                                  accumulation_steps, load_corpus, load_tokens)
+from meshspeed.train.data import (
+    ByteTokenizer,
+    DataError,
+    GlobalBatchLoader,
+    ValidationLoader,
+    accumulation_steps,
+    load_corpus,
+    load_tokens,
+)
 
 CAP_MB = 2.0
 
@@ -19,8 +26,9 @@ def stdlib(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- tokenizer
-@pytest.mark.parametrize("text", ["", "hello world\n", "naïve café — 東京 🚀\x00\t",
-                                  "def f():\n    return 'é'\n"])
+@pytest.mark.parametrize(
+    "text", ["", "hello world\n", "naïve café — 東京 🚀\x00\t", "def f():\n    return 'é'\n"]
+)
 def test_tokenizer_round_trip(text):
     tok = ByteTokenizer()
     ids = tok.encode(text)
@@ -168,8 +176,10 @@ def _write(path, typecode, values):
         array(typecode, values).tofile(f)  # native order: little-endian on every supported machine
 
 
-@pytest.mark.parametrize("fmt,typecode,dtype,high", [("uint16", "H", torch.uint16, 65_000),
-                                                     ("uint32", "I", torch.uint32, 4_000_000_000)])
+@pytest.mark.parametrize(
+    "fmt,typecode,dtype,high",
+    [("uint16", "H", torch.uint16, 65_000), ("uint32", "I", torch.uint32, 4_000_000_000)],
+)
 def test_token_file_memmap(tmp_path, fmt, typecode, dtype, high):
     values = [(i * 7919) % 1000 for i in range(1000)]
     values[10] = high
@@ -193,7 +203,12 @@ def test_token_file_memmap(tmp_path, fmt, typecode, dtype, high):
 def test_text_directory_and_file(tmp_path):
     d = tmp_path / "texts"
     (d / "sub").mkdir(parents=True)
-    docs = {"a.txt": "alpha " * 50, "sub/b.md": "béta ✓ " * 40, "c.txt": "gamma\n" * 60, "z.txt": "zeta " * 70}
+    docs = {
+        "a.txt": "alpha " * 50,
+        "sub/b.md": "béta ✓ " * 40,
+        "c.txt": "gamma\n" * 60,
+        "z.txt": "zeta " * 70,
+    }
     for rel, text in docs.items():
         (d / rel).write_text(text, encoding="utf-8")
     (d / ".hidden").write_text("secret")
@@ -215,10 +230,14 @@ def test_text_directory_and_file(tmp_path):
 def test_error_messages(tmp_path, stdlib):
     with pytest.raises(DataError, match=r"data.path='/no/such/file' does not exist"):
         load_corpus("/no/such/file")
-    with pytest.raises(DataError, match=r"data.format='int8' is not a known format; choose one of text, uint16"):
+    with pytest.raises(
+        DataError, match=r"data.format='int8' is not a known format; choose one of text, uint16"
+    ):
         load_corpus("", "int8")
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
-    with pytest.raises(DataError, match=r"looks like a token file but data.format=text; set data.format uint16"):
+    with pytest.raises(
+        DataError, match=r"looks like a token file but data.format=text; set data.format uint16"
+    ):
         load_corpus(str(tmp_path / "odd.bin"))
     with pytest.raises(DataError, match=r"has 3 bytes, not a whole, non-zero number of uint16 tokens"):
         load_corpus(str(tmp_path / "odd.bin"), "uint16")
@@ -227,16 +246,24 @@ def test_error_messages(tmp_path, stdlib):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"contains no non-empty files"):
         load_corpus(str(tmp_path / "empty"))
-    with pytest.raises(DataError, match=r"train split has 10 tokens, fewer than train.seq_len \+ 1 = 17; .*len ≤ 9"):
+    with pytest.raises(
+        DataError, match=r"train split has 10 tokens, fewer than train.seq_len \+ 1 = 17; .*len ≤ 9"
+    ):
         GlobalBatchLoader(torch.arange(10), 16, 4, 2)
-    with pytest.raises(DataError, match=r"train.global_batch_size=10 is not divisible by train.micro_batch_size × "
-                                        r"parallel.dp = 3 × 2 = 6; use train.global_batch_size=6 or 12, or "
-                                        r"train.micro_batch_size in \{1, 5\}"):
+    with pytest.raises(
+        DataError,
+        match=r"train.global_batch_size=10 is not divisible by train.micro_batch_size × "
+        r"parallel.dp = 3 × 2 = 6; use train.global_batch_size=6 or 12, or "
+        r"train.micro_batch_size in \{1, 5\}",
+    ):
         GlobalBatchLoader(stdlib.train, 16, 10, 3, 0, 2)
     with pytest.raises(DataError, match=r"dp_rank=2 is outside parallel.dp=2"):
         GlobalBatchLoader(stdlib.train, 16, 8, 2, 2, 2)
-    with pytest.raises(DataError, match=r"validation split has 100 tokens = 6 windows of train.seq_len=16, fewer "
-                                        r"than one train.global_batch_size=8"):
+    with pytest.raises(
+        DataError,
+        match=r"validation split has 100 tokens = 6 windows of train.seq_len=16, fewer "
+        r"than one train.global_batch_size=8",
+    ):
         ValidationLoader(torch.arange(100), 16, 8, 2)
     with pytest.raises(DataError, match=r"train.eval_batches=9 but the validation split holds 3 batches"):
         ValidationLoader(torch.arange(100), 4, 8, 2, max_batches=9)

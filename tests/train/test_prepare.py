@@ -98,21 +98,26 @@ def test_llama3_8b_preset_reads_the_prepared_file(tmp_path, monkeypatch):
     assert main(argv) == 0
     cfg = config_mod.load(os.path.join(REPO, "configs", "llama3-8b.toml"), {})
     train, val = load_tokens(cfg.data.path, cfg.data.format)
-    assert train.dtype == torch.uint32 and train.numel() + val.numel() == \
-        json.load(open("data/tokens.bin.json"))["count"]
+    assert (
+        train.dtype == torch.uint32
+        and train.numel() + val.numel() == json.load(open("data/tokens.bin.json"))["count"]
+    )
 
 
-@pytest.mark.parametrize("argv, words", [
-    ([], ["--out is missing", "data/tokens.bin"]),
-    (["--out", "t.bin", "--format", "int8"], ["--format='int8'", "uint32"]),
-    (["--out", "t.bin", "--input", "nowhere"], ["--input='nowhere'", "does not exist", "text file"]),
-    (["--out", "t.bin", "--max-mb", "lots"], ["--max-mb='lots'", "e.g. 8"]),
-    (["--out", "t.bin", "--max-mb", "-1"], ["--max-mb='-1'", "≥ 0"]),
-    (["--out", "."], ["--out='.'", "e.g. data/tokens.bin"]),
-    (["--out", "t.bin", "--input", "empty"], ["--input='empty'", "no non-empty files"]),
-    (["--out", "t.bin", "--input", "blob.bin"], ["--input='blob.bin'", "NUL bytes", "text files"]),
-    (["--out", "t.bin", "--tokenizer", "nowhere"], ["--tokenizer='nowhere'", "tokenizer.json"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], ["--out is missing", "data/tokens.bin"]),
+        (["--out", "t.bin", "--format", "int8"], ["--format='int8'", "uint32"]),
+        (["--out", "t.bin", "--input", "nowhere"], ["--input='nowhere'", "does not exist", "text file"]),
+        (["--out", "t.bin", "--max-mb", "lots"], ["--max-mb='lots'", "e.g. 8"]),
+        (["--out", "t.bin", "--max-mb", "-1"], ["--max-mb='-1'", "≥ 0"]),
+        (["--out", "."], ["--out='.'", "e.g. data/tokens.bin"]),
+        (["--out", "t.bin", "--input", "empty"], ["--input='empty'", "no non-empty files"]),
+        (["--out", "t.bin", "--input", "blob.bin"], ["--input='blob.bin'", "NUL bytes", "text files"]),
+        (["--out", "t.bin", "--tokenizer", "nowhere"], ["--tokenizer='nowhere'", "tokenizer.json"]),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys, argv, words):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()

@@ -18,8 +18,8 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.comm import ConfigError
-from meshspeed.parallel.optim import build_data_parallel
 from meshspeed.comm.placement import full_tensor
+from meshspeed.parallel.optim import build_data_parallel
 from meshspeed.sparse import is_nm, is_transposable_nm, mask_for
 from meshspeed.train import config
 from meshspeed.train.checkpoint import CheckpointError
@@ -27,12 +27,24 @@ from meshspeed.train.sparsity import _gather_mask
 from meshspeed.train.trainer import Trainer
 from tests import harness
 
-BASE = [("model.n_heads", "4"), ("model.n_kv_heads", "4"), ("train.seq_len", "32"), ("train.global_batch_size", "8"),
-        ("train.micro_batch_size", "2"), ("train.dtype", "float32"), ("train.eval_interval", "0"),
-        ("train.warmup_steps", "3"), ("data.max_mb", "1")]
+BASE = [
+    ("model.n_heads", "4"),
+    ("model.n_kv_heads", "4"),
+    ("train.seq_len", "32"),
+    ("train.global_batch_size", "8"),
+    ("train.micro_batch_size", "2"),
+    ("train.dtype", "float32"),
+    ("train.eval_interval", "0"),
+    ("train.warmup_steps", "3"),
+    ("data.max_mb", "1"),
+]
 NM24 = [("sparsity.pattern", "2:4"), ("sparsity.update_interval", "3")]
-RIGL = [("sparsity.pattern", "unstructured"), ("sparsity.target", "0.5"), ("sparsity.method", "rigl"),
-        ("sparsity.update_interval", "2")]
+RIGL = [
+    ("sparsity.pattern", "unstructured"),
+    ("sparsity.target", "0.5"),
+    ("sparsity.method", "rigl"),
+    ("sparsity.update_interval", "2"),
+]
 
 
 def _cfg(run_dir: str, extra: list) -> config.Config:
@@ -45,8 +57,10 @@ def _full_masks(trainer) -> dict[str, torch.Tensor]:
 
 
 def _full_weights(trainer) -> dict[str, torch.Tensor]:
-    return {v.name: full_tensor(v.local.weight, {"tp": v.group}, v.sharding).float()
-            for v in trainer.sparsity.views}
+    return {
+        v.name: full_tensor(v.local.weight, {"tp": v.group}, v.sharding).float()
+        for v in trainer.sparsity.views
+    }
 
 
 def job_sparse_run(ctx, run_dir: str, extra: list, steps: int):
@@ -70,7 +84,13 @@ class _Probe:
     """A full weight with a target's pattern, for mask_for."""
 
     def __init__(self, view, weight):
-        self.weight, self.name, self.nm, self.transposable, self.groups = weight, view.name, view.nm, view.transposable, view.groups
+        self.weight, self.name, self.nm, self.transposable, self.groups = (
+            weight,
+            view.name,
+            view.nm,
+            view.transposable,
+            view.groups,
+        )
 
 
 _REF: dict = {}
@@ -78,8 +98,13 @@ _REF: dict = {}
 
 def _reference(tmp_path_factory, key: str, extra: list, steps: int):
     if key not in _REF:
-        _REF[key] = harness.run(1, job_sparse_run, str(tmp_path_factory.mktemp(f"ref-{key}")),
-                                extra + [("parallel.tp", "1")], steps)[0]
+        _REF[key] = harness.run(
+            1,
+            job_sparse_run,
+            str(tmp_path_factory.mktemp(f"ref-{key}")),
+            extra + [("parallel.tp", "1")],
+            steps,
+        )[0]
     return _REF[key]
 
 
@@ -90,14 +115,20 @@ def _reference(tmp_path_factory, key: str, extra: list, steps: int):
 CASES = [
     ("tiny-2:4", [("model.preset", "tiny")] + NM24, 6),
     ("tiny-rigl", [("model.preset", "tiny")] + RIGL, 6),
-    ("moe-2:4-srste", [("model.preset", "tiny-moe"), ("model.n_kv_heads", "2"), ("sparsity.method", "sr-ste")] + NM24, 6),
+    (
+        "moe-2:4-srste",
+        [("model.preset", "tiny-moe"), ("model.n_kv_heads", "2"), ("sparsity.method", "sr-ste")] + NM24,
+        6,
+    ),
 ]
 
 
 @pytest.mark.parametrize("key,extra,steps", CASES, ids=[c[0] for c in CASES])
 def test_tp2_sparse_run_matches_single_process_and_masks_agree(tmp_path_factory, key, extra, steps):
     want_losses, want_rows, _, want_recomputed = _reference(tmp_path_factory, key, extra, steps)
-    got = harness.run(2, job_sparse_run, str(tmp_path_factory.mktemp(key)), extra + [("parallel.tp", "2")], steps)
+    got = harness.run(
+        2, job_sparse_run, str(tmp_path_factory.mktemp(key)), extra + [("parallel.tp", "2")], steps
+    )
     losses, rows, masks, recomputed = got[0]
     for step, (g, w) in enumerate(zip(losses, want_losses)):
         assert abs(g - w) <= 1e-5 * abs(w), f"{key} step {step}: tp 2 loss {g} vs single-process {w}"
@@ -106,7 +137,9 @@ def test_tp2_sparse_run_matches_single_process_and_masks_agree(tmp_path_factory,
         if "2:4" in key:
             ok = is_transposable_nm(m) if m.shape[-2] % 4 == 0 else is_nm(m, 2, 4)
             assert ok, f"{name}: mask is not 2:4"
-    assert all(recomputed.values()) and all(want_recomputed.values()), "sharded mask != mask of the full weight"
+    assert all(recomputed.values()) and all(want_recomputed.values()), (
+        "sharded mask != mask of the full weight"
+    )
     if key == "tiny-rigl":
         for name, m in masks.items():
             assert int(m.sum()) == m.numel() // 2, f"{name}: RigL changed the layer's density"
@@ -120,8 +153,12 @@ def job_rigl_state(ctx, run_dir: str, extra: list, steps: int):
     """dp 2, ZeRO-1, bf16: after each step, regrown weights and their master and moments are zero,
     density is constant, the bf16 parameter equals its rounded fp32 master, masks agree over dp."""
     trainer = Trainer(_cfg(run_dir, extra + [("train.steps", str(steps))]), ctx)
-    names = {v.name: n for v in trainer.sparsity.views
-             for n, p in trainer.model.named_parameters() if p is v.local.weight}
+    names = {
+        v.name: n
+        for v in trainer.sparsity.views
+        for n, p in trainer.model.named_parameters()
+        if p is v.local.weight
+    }
     checked = 0
     for s in range(steps):
         old = _full_masks(trainer)
@@ -188,8 +225,12 @@ def _rows(run_dir) -> list[dict]:
 
 def test_resumed_sparse_run_equals_uninterrupted_run(tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    layout = RIGL + [("parallel.tp", "2"), ("train.steps", "12"), ("sparsity.update_interval", "3"),
-                     ("sparsity.warmup_steps", "2")]
+    layout = RIGL + [
+        ("parallel.tp", "2"),
+        ("train.steps", "12"),
+        ("sparsity.update_interval", "3"),
+        ("sparsity.warmup_steps", "2"),
+    ]
     harness.run(2, job_run, straight, layout)
     harness.run(2, job_run, split, layout + [("train.exit_interval", "5")])
     assert len(_rows(split)) == 5
@@ -199,8 +240,12 @@ def test_resumed_sparse_run_equals_uninterrupted_run(tmp_path):
     assert a == b  # bit-identical: loss, grad norm, sparsity and flip rates
     # the tp-sharded masks reshard: resume the step-5 checkpoint in one process (tp 1)
     other = str(tmp_path / "tp1")
-    harness.run(1, job_run, other, layout + [("parallel.tp", "1"),
-                                             ("checkpoint.resume", os.path.join(split, "step-000005"))])
+    harness.run(
+        1,
+        job_run,
+        other,
+        layout + [("parallel.tp", "1"), ("checkpoint.resume", os.path.join(split, "step-000005"))],
+    )
     c = _rows(other)
     assert [r["step"] for r in c] == list(range(5, 12))
     for x, y in zip(a[5:], c):
@@ -218,26 +263,45 @@ def job_build_error(ctx, run_dir: str, extra: list):
 
 def test_dense_checkpoint_into_sparse_run_names_the_missing_masks(tmp_path):
     harness.run(1, job_run, str(tmp_path), [("parallel.tp", "1"), ("train.steps", "1")])
-    msg = harness.run(1, job_build_error, str(tmp_path), [("parallel.tp", "1"), ("train.steps", "2"),
-                                                          ("checkpoint.resume", "latest")] + NM24)[0]
+    msg = harness.run(
+        1,
+        job_build_error,
+        str(tmp_path),
+        [("parallel.tp", "1"), ("train.steps", "2"), ("checkpoint.resume", "latest")] + NM24,
+    )[0]
     assert msg is not None and "model buffer layers.0.attention.wq.mask is not in checkpoint" in msg, msg
 
 
 def test_straddling_nm_groups_fail_with_clear_message(tmp_path):
     # wo's 128 input features over tp 2 leave 64 per rank: a 4:128 group would span both ranks
-    got = harness.run(2, job_build_error, str(tmp_path), [("parallel.tp", "2"), ("sparsity.pattern", "4:128")])
+    got = harness.run(
+        2, job_build_error, str(tmp_path), [("parallel.tp", "2"), ("sparsity.pattern", "4:128")]
+    )
     msg = got[0]
     assert msg == got[1] and msg is not None
-    for needle in ("layers.0.attention.wo", "in_features 128", "tp degree 2", "M=128", "straddle", "sparsity.layers"):
+    for needle in (
+        "layers.0.attention.wo",
+        "in_features 128",
+        "tp degree 2",
+        "M=128",
+        "straddle",
+        "sparsity.layers",
+    ):
         assert needle in msg, msg
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    ([("sparsity.pattern", "2:4"), ("sparsity.method", "rigl")], "sparsity.method='rigl' is not valid"),
-    ([("sparsity.pattern", "3:2")], "sparsity.pattern='3:2' needs 0 < N < M"),
-    ([("sparsity.pattern", "2:4"), ("sparsity.target", "0.7")], "sparsity.target=0.7 is not valid"),
-    ([("sparsity.pattern", "unstructured"), ("sparsity.method", "prune")], "sparsity.method='prune' is not valid"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ([("sparsity.pattern", "2:4"), ("sparsity.method", "rigl")], "sparsity.method='rigl' is not valid"),
+        ([("sparsity.pattern", "3:2")], "sparsity.pattern='3:2' needs 0 < N < M"),
+        ([("sparsity.pattern", "2:4"), ("sparsity.target", "0.7")], "sparsity.target=0.7 is not valid"),
+        (
+            [("sparsity.pattern", "unstructured"), ("sparsity.method", "prune")],
+            "sparsity.method='prune' is not valid",
+        ),
+    ],
+)
 def test_bad_sparsity_settings_fail_at_load(overrides, needle):
     with pytest.raises(ConfigError) as info:
         config.load(None, overrides)

@@ -20,9 +20,17 @@ from meshspeed.train.trainer import Trainer
 from tests import harness
 
 # Same model for every layout: 4 query and 4 kv heads so tp 4 divides them.
-BASE = [("model.n_heads", "4"), ("model.n_kv_heads", "4"), ("train.seq_len", "32"), ("train.global_batch_size", "8"),
-        ("train.micro_batch_size", "2"), ("train.dtype", "float32"), ("train.eval_interval", "0"),
-        ("train.warmup_steps", "3"), ("data.max_mb", "1")]
+BASE = [
+    ("model.n_heads", "4"),
+    ("model.n_kv_heads", "4"),
+    ("train.seq_len", "32"),
+    ("train.global_batch_size", "8"),
+    ("train.micro_batch_size", "2"),
+    ("train.dtype", "float32"),
+    ("train.eval_interval", "0"),
+    ("train.warmup_steps", "3"),
+    ("data.max_mb", "1"),
+]
 
 
 def _cfg(run_dir: str, extra: list[tuple[str, str]]) -> config.Config:
@@ -58,12 +66,26 @@ LAYOUTS = [
     ("dp2-tp2-sp", 4, [("parallel.tp", "2"), ("parallel.sequence_parallel", "true")], "tiny"),
     ("dp4-zero1", 4, [("parallel.tp", "1"), ("parallel.zero", "1")], "tiny"),
     ("dp4-zero2", 4, [("parallel.tp", "1"), ("parallel.zero", "2")], "tiny"),
-    ("moe-dp2-tp2", 4, [("parallel.tp", "2"), ("model.preset", "tiny-moe"), ("model.n_kv_heads", "2")], "tiny-moe"),
+    (
+        "moe-dp2-tp2",
+        4,
+        [("parallel.tp", "2"), ("model.preset", "tiny-moe"), ("model.n_kv_heads", "2")],
+        "tiny-moe",
+    ),
     # A family added with no change in meshspeed/parallel (q/k/v biases split with their columns).
     ("qwen2-tp2", 2, [("parallel.tp", "2"), ("model.preset", "tiny-qwen2")], "tiny-qwen2"),
-    ("qwen2-pp2", 2, [("parallel.tp", "1"), ("parallel.pp", "2"), ("model.preset", "tiny-qwen2")], "tiny-qwen2"),
-    ("qwen2-dp2-zero1", 2, [("parallel.tp", "1"), ("parallel.zero", "1"), ("model.preset", "tiny-qwen2")],
-     "tiny-qwen2"),
+    (
+        "qwen2-pp2",
+        2,
+        [("parallel.tp", "1"), ("parallel.pp", "2"), ("model.preset", "tiny-qwen2")],
+        "tiny-qwen2",
+    ),
+    (
+        "qwen2-dp2-zero1",
+        2,
+        [("parallel.tp", "1"), ("parallel.zero", "1"), ("model.preset", "tiny-qwen2")],
+        "tiny-qwen2",
+    ),
 ]
 
 
@@ -96,8 +118,12 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
 def test_tp2_checkpoint_resumes_under_tp1(tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     harness.run(2, job_run, straight, [("parallel.tp", "2"), ("train.steps", "14")])
-    harness.run(2, job_run, split, [("parallel.tp", "2"), ("train.steps", "14"), ("train.exit_interval", "7")])
-    harness.run(1, job_run, split, [("parallel.tp", "1"), ("train.steps", "14"), ("checkpoint.resume", "latest")])
+    harness.run(
+        2, job_run, split, [("parallel.tp", "2"), ("train.steps", "14"), ("train.exit_interval", "7")]
+    )
+    harness.run(
+        1, job_run, split, [("parallel.tp", "1"), ("train.steps", "14"), ("checkpoint.resume", "latest")]
+    )
     a, b = _losses(straight), _losses(split)
     assert len(a) == len(b) == 14
     for step, (x, y) in enumerate(zip(a, b)):
@@ -105,11 +131,34 @@ def test_tp2_checkpoint_resumes_under_tp1(tmp_path):
 
 
 def test_cli_trains_and_reports(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-m", "meshspeed", "train", "--train.steps", "6", "--train.seq_len", "32",
-                          "--train.eval_interval", "3", "--data.max_mb", "1", "--run.dir", str(tmp_path / "run"),
-                          "--checkpoint.export_safetensors", "true"],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshspeed",
+            "train",
+            "--train.steps",
+            "6",
+            "--train.seq_len",
+            "32",
+            "--train.eval_interval",
+            "3",
+            "--data.max_mb",
+            "1",
+            "--run.dir",
+            str(tmp_path / "run"),
+            "--checkpoint.export_safetensors",
+            "true",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dp 2 × tp 2" in out.stdout and "final train loss" in out.stdout and "tokens/s" in out.stdout
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -120,24 +169,52 @@ def test_cli_trains_and_reports(tmp_path):
     assert (tmp_path / "run" / "step-000006" / "COMPLETE").exists()
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--parallel.tp", "3"], "parallel.tp=3 × parallel.pp=1 = 3 does not divide the world size 4"),
-    (["--train.global_batch_size", "12"], "train.global_batch_size=12 is not divisible by micro_batch_size × dp"),
-    (["--parallel.zero", "3"], "parallel.zero='3' is not valid; choose one of 0, 1, 2"),
-    (["--train.dtype", "fp8"], "train.dtype='fp8' is not valid"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--parallel.tp", "3"], "parallel.tp=3 × parallel.pp=1 = 3 does not divide the world size 4"),
+        (
+            ["--train.global_batch_size", "12"],
+            "train.global_batch_size=12 is not divisible by micro_batch_size × dp",
+        ),
+        (["--parallel.zero", "3"], "parallel.zero='3' is not valid; choose one of 0, 1, 2"),
+        (["--train.dtype", "fp8"], "train.dtype='fp8' is not valid"),
+    ],
+)
 def test_cli_bad_settings_fail_with_one_line(tmp_path, args, needle):
-    out = subprocess.run([sys.executable, "-m", "meshspeed", "train"] + args, capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshspeed", "train"] + args,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], out.stderr
 
 
 def test_cli_resume_without_checkpoint_is_one_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "meshspeed", "train", "--nproc", "2", "--checkpoint.resume", "latest",
-                          "--run.dir", str(tmp_path / "empty"), "--data.max_mb", "1"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshspeed",
+            "train",
+            "--nproc",
+            "2",
+            "--checkpoint.resume",
+            "latest",
+            "--run.dir",
+            str(tmp_path / "empty"),
+            "--data.max_mb",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 1
     assert "checkpoint.resume=latest but" in out.stderr and "holds no complete checkpoint" in out.stderr
     assert "Traceback" not in out.stderr

@@ -50,9 +50,14 @@ class Action:
 
     def __post_init__(self) -> None:
         if self.kind not in COMPUTE_KINDS + COMM_KINDS:
-            raise ScheduleError(f"action kind {self.kind!r} is unknown; valid kinds: {', '.join(COMPUTE_KINDS + COMM_KINDS)}")
+            raise ScheduleError(
+                f"action kind {self.kind!r} is unknown; valid kinds: {', '.join(COMPUTE_KINDS + COMM_KINDS)}"
+            )
         if (self.peer is None) != (self.kind in COMPUTE_KINDS):
-            raise ScheduleError(f"action {self.kind} {self.microbatch}.{self.chunk}: communication actions need a peer rank, compute actions must not have one")
+            raise ScheduleError(
+                f"action {self.kind} {self.microbatch}.{self.chunk}: communication actions need a peer rank, "
+                "compute actions must not have one"
+            )
 
     @property
     def is_compute(self) -> bool:
@@ -77,7 +82,9 @@ def parse_action(text: str) -> Action:
     """Inverse of Action.compact: 'F3.1', 'B0', 'sF3.1>2', 'rB0<1'."""
     match = _ACTION_RE.match(text.strip())
     if not match:
-        raise ScheduleError(f"cannot parse action {text!r}; expected e.g. 'F3.1', 'B0', 'W2.1', 'sF3.1>2', 'rB0.0<1'")
+        raise ScheduleError(
+            f"cannot parse action {text!r}; expected e.g. 'F3.1', 'B0', 'W2.1', 'sF3.1>2', 'rB0.0<1'"
+        )
     kind, mb, chunk, arrow, peer = match.groups()
     if kind in _PREFIX_COMM:
         kind = _PREFIX_COMM[kind]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from meshspeed.parallel.pipeline.actions import B, F, Action, stage_of
+from meshspeed.parallel.pipeline.actions import Action, B, F, stage_of
 from meshspeed.parallel.pipeline.simulate import Costs
 
 
@@ -43,7 +43,9 @@ def fb_overlap(schedule: list[list[Action]], pp: int) -> tuple[int, int]:
         for a, b in zip(compute, compute[1:]):
             if a.kind == F and b.kind == B:
                 total += 1
-                dependent = a.microbatch == b.microbatch and stage_of(rank, a.chunk, pp) >= stage_of(rank, b.chunk, pp)
+                dependent = a.microbatch == b.microbatch and stage_of(rank, a.chunk, pp) >= stage_of(
+                    rank, b.chunk, pp
+                )
                 independent += not dependent
     return independent, total
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from meshspeed.parallel.pipeline.actions import (
-    B,
-    F,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
     Action,
+    B,
+    F,
     holder_of,
     stage_of,
 )
@@ -79,7 +79,10 @@ def insert_comms(schedule: list[list[Action]], pp: int, vpp: int) -> list[list[A
     before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in compute]
     for (src, dst), recvs in sorted(channels.items()):
         position = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(compute[dst])}
-        need = [position.get((F if r.kind == RECV_F else B, r.microbatch, r.chunk), len(compute[dst])) for r in recvs]
+        need = [
+            position.get((F if r.kind == RECV_F else B, r.microbatch, r.chunk), len(compute[dst]))
+            for r in recvs
+        ]
         # suffix minimum: message k must be in hand before any later message of the channel is used
         for k in range(len(need) - 2, -1, -1):
             need[k] = min(need[k], need[k + 1])

@@ -50,7 +50,9 @@ def ascii_timeline(result: SimResult, width: int = 120) -> str:
             label = f"rank {rank}" + (f" c{chunk}" if vpp > 1 else "") if chunk == 0 else f"c{chunk}"
             lines.append(f"{label}: ".rjust(prefix) + "".join(row))
     lines.append(
-        " " * prefix + f"F=forward B=backward{' W=weight-grad' if result.split else ''}, then the microbatch; "
+        " "
+        * prefix
+        + f"F=forward B=backward{' W=weight-grad' if result.split else ''}, then the microbatch; "
         f"{'c<k> = model chunk k; ' if vpp > 1 else ''}'.' = idle; 1 column = {1 / scale:.3g} time units"
     )
     return "\n".join(lines)
@@ -110,7 +112,9 @@ def _shade(kind: str, chunk: int, vpp: int) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * t for c in base)
 
 
-def draw_png(result: SimResult, path: str, title: str | None = None, xlabel: str = "time (cost units)") -> str:
+def draw_png(
+    result: SimResult, path: str, title: str | None = None, xlabel: str = "time (cost units)"
+) -> str:
     """Write a timeline PNG (one row per rank, time across). Returns the path."""
     try:
         import matplotlib
@@ -123,7 +127,9 @@ def draw_png(result: SimResult, path: str, title: str | None = None, xlabel: str
 
     pp, vpp = result.pp, result.vpp
     makespan = float(result.makespan) or 1.0
-    shortest = min((float(s.end - s.start) for tl in result.timelines for s in tl if s.end > s.start), default=1.0)
+    shortest = min(
+        (float(s.end - s.start) for tl in result.timelines for s in tl if s.end > s.start), default=1.0
+    )
     # Wide enough that the shortest box holds a 2-3 character label, capped to stay viewable.
     fig_w = min(30.0, max(10.0, 0.32 * makespan / shortest + 1.5))
     fig_h = 1.2 + 0.55 * pp
@@ -142,7 +148,15 @@ def draw_png(result: SimResult, path: str, title: str | None = None, xlabel: str
                 size = min(9.0, box_in * 72 / (0.62 * len(text) + 0.4))
             if size >= 4.5:
                 light = sum(colour) / 3 > 0.6
-                ax.text((s + e) / 2, rank, text, ha="center", va="center", fontsize=size, color="black" if light else "white")
+                ax.text(
+                    (s + e) / 2,
+                    rank,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=size,
+                    color="black" if light else "white",
+                )
     ax.set_ylim(pp - 0.5, -0.5)
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {r}" for r in range(pp)])
@@ -152,16 +166,25 @@ def draw_png(result: SimResult, path: str, title: str | None = None, xlabel: str
     ax.set_axisbelow(True)
     kinds = [F, B] + ([W] if result.split else [])
     handles = [
-        Patch(color=_shade(k, c, vpp), label=f"{k} {'input grad' if k == B and result.split else _KIND_NAMES[k]}" + (f" chunk {c}" if vpp > 1 else ""))
+        Patch(
+            color=_shade(k, c, vpp),
+            label=f"{k} {'input grad' if k == B and result.split else _KIND_NAMES[k]}"
+            + (f" chunk {c}" if vpp > 1 else ""),
+        )
         for k in kinds
         for c in range(vpp)
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     bubble = result.bubble
-    bubble_text = f"{bubble.numerator}/{bubble.denominator} ({float(bubble):.3f})" if isinstance(bubble, Fraction) else f"{bubble:.3f}"
+    bubble_text = (
+        f"{bubble.numerator}/{bubble.denominator} ({float(bubble):.3f})"
+        if isinstance(bubble, Fraction)
+        else f"{bubble:.3f}"
+    )
     ax.set_title(
         title
-        or f"{result.name or 'schedule'}   pp={pp}  vpp={vpp}  m={result.microbatches}   bubble={bubble_text}   makespan={float(result.makespan):g}",
+        or f"{result.name or 'schedule'}   pp={pp}  vpp={vpp}  m={result.microbatches}   "
+        f"bubble={bubble_text}   makespan={float(result.makespan):g}",
         fontsize=11,
     )
     fig.tight_layout()

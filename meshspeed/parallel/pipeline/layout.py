@@ -47,10 +47,15 @@ def _stage_counts(spec: str) -> list[tuple[bool, int, bool]]:
         for tok in [t.strip() for t in part.split(",")] if part else []:
             m = _TOKEN.match(tok)
             if not m:
-                raise ScheduleError(f"{KEY}={spec!r}: stage {s} has token {tok!r}; use E, L, t or t*N (e.g. 'E,t*8|t*8,L') or layer counts ('8,8')")
+                raise ScheduleError(
+                    f"{KEY}={spec!r}: stage {s} has token {tok!r}; use E, L, t or t*N "
+                    "(e.g. 'E,t*8|t*8,L') or layer counts ('8,8')"
+                )
             if m.group(1):
                 if count or head or emb:
-                    raise ScheduleError(f"{KEY}={spec!r}: E must come first in its stage (stage {s}) and appear once")
+                    raise ScheduleError(
+                        f"{KEY}={spec!r}: E must come first in its stage (stage {s}) and appear once"
+                    )
                 emb = True
             elif m.group(2):
                 if head:
@@ -58,7 +63,9 @@ def _stage_counts(spec: str) -> list[tuple[bool, int, bool]]:
                 head = True
             else:
                 if head:
-                    raise ScheduleError(f"{KEY}={spec!r}: layers after L in stage {s}; L (norm + head + loss) ends the model")
+                    raise ScheduleError(
+                        f"{KEY}={spec!r}: layers after L in stage {s}; L (norm + head + loss) ends the model"
+                    )
                 count += int(m.group(3)) if m.group(3) is not None else 1
         stages.append((emb, count, head))
     return stages
@@ -67,25 +74,32 @@ def _stage_counts(spec: str) -> list[tuple[bool, int, bool]]:
 def parse_layout(spec: str, pp: int, vpp: int = 1, n_layers: int | None = None) -> list[StageLayout]:
     """Parse a layout string into pp * vpp StageLayouts (see module docstring)."""
     if not spec or not spec.strip():
-        raise ScheduleError(f"{KEY} is empty; give e.g. 'E,t*8|t*8|t*8|t*7,L' or '8,8,8,7', or leave it unset for an even split")
+        raise ScheduleError(
+            f"{KEY} is empty; give e.g. 'E,t*8|t*8|t*8|t*7,L' or '8,8,8,7', "
+            "or leave it unset for an even split"
+        )
     stages = _stage_counts(spec.strip())
     want = pp * vpp
     if len(stages) != want:
         raise ScheduleError(
-            f"{KEY}={spec!r} has {len(stages)} stages but pp*vpp = {want} (pp={pp}, vpp={vpp}); give {want} stages separated by '|'"
+            f"{KEY}={spec!r} has {len(stages)} stages but pp*vpp = {want} (pp={pp}, vpp={vpp}); "
+            f"give {want} stages separated by '|'"
         )
     for s, (emb, _, head) in enumerate(stages):
         if emb and s != 0:
             raise ScheduleError(f"{KEY}={spec!r}: E (embedding) is in stage {s}; it must be in stage 0")
         if head and s != want - 1:
-            raise ScheduleError(f"{KEY}={spec!r}: L (head + loss) is in stage {s}; it must be in the last stage ({want - 1})")
+            raise ScheduleError(
+                f"{KEY}={spec!r}: L (head + loss) is in stage {s}; it must be in the last stage ({want - 1})"
+            )
     # E and L are implied on the first and last stage when the string leaves them out.
     stages = [(emb or s == 0, n, head or s == want - 1) for s, (emb, n, head) in enumerate(stages)]
     total = sum(n for _, n, _ in stages)
     if n_layers is not None and total != n_layers:
         raise ScheduleError(
             f"{KEY}={spec!r} places {total} layers but the model has n_layers={n_layers}; "
-            f"make the counts sum to {n_layers} (even split: {format_layout(even_layout(n_layers, pp, vpp)) if n_layers >= want else 'n/a'})"
+            f"make the counts sum to {n_layers} "
+            f"(even split: {format_layout(even_layout(n_layers, pp, vpp)) if n_layers >= want else 'n/a'})"
         )
     return _build(stages, pp, spec)
 
@@ -116,7 +130,9 @@ def _build(stages: list[tuple[bool, int, bool]], pp: int, spec: str) -> list[Sta
     out, next_layer = [], 0
     for s, (emb, n, head) in enumerate(stages):
         if n == 0 and not emb and not head:
-            raise ScheduleError(f"{KEY}={spec!r}: stage {s} is empty (no layers, no E or L); give it at least one layer")
+            raise ScheduleError(
+                f"{KEY}={spec!r}: stage {s} is empty (no layers, no E or L); give it at least one layer"
+            )
         rank, chunk = holder_of(s, pp)
         out.append(StageLayout(s, rank, chunk, tuple(range(next_layer, next_layer + n)), emb, head))
         next_layer += n
@@ -127,6 +143,10 @@ def format_layout(stages: list[StageLayout]) -> str:
     """The layout string for `stages` (round-trips through parse_layout)."""
     parts = []
     for st in stages:
-        toks = (["E"] if st.embedding else []) + ([f"t*{len(st.layers)}"] if len(st.layers) > 1 else ["t"] if st.layers else []) + (["L"] if st.head else [])
+        toks = (
+            (["E"] if st.embedding else [])
+            + ([f"t*{len(st.layers)}"] if len(st.layers) > 1 else ["t"] if st.layers else [])
+            + (["L"] if st.head else [])
+        )
         parts.append(",".join(toks))
     return "|".join(parts)

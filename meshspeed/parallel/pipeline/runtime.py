@@ -35,7 +35,18 @@ from dataclasses import dataclass
 import torch
 
 from meshspeed import comm
-from meshspeed.parallel.pipeline.actions import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError, holder_of
+from meshspeed.parallel.pipeline.actions import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    ScheduleError,
+    W,
+    holder_of,
+)
 from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 from meshspeed.parallel.pipeline.split_backward import WeightGrad, split_backward
 from meshspeed.parallel.pipeline.stage import PipelineStages
@@ -55,9 +66,19 @@ class _Live:
 
 
 class PipelineRuntime:
-    def __init__(self, stages: PipelineStages, mesh, schedule: str = "1f1b", microbatches: int = 1, *,
-                 micro_batch_size: int, seq_len: int, sequence_parallel: bool = False, trace: bool = False,
-                 prefetch: bool | None = None):
+    def __init__(
+        self,
+        stages: PipelineStages,
+        mesh,
+        schedule: str = "1f1b",
+        microbatches: int = 1,
+        *,
+        micro_batch_size: int,
+        seq_len: int,
+        sequence_parallel: bool = False,
+        trace: bool = False,
+        prefetch: bool | None = None,
+    ):
         self.stages, self.mesh = stages, mesh
         self.pp, self.vpp, self.rank = stages.pp, stages.vpp, stages.rank
         self.name, self.microbatches = schedule, microbatches
@@ -69,9 +90,15 @@ class PipelineRuntime:
         self.device = torch.device(mesh.ctx.device)
         tp = mesh["tp"].size
         if sequence_parallel and seq_len % tp:
-            raise comm.ConfigError(f"sequence parallelism needs train.seq_len={seq_len} divisible by parallel.tp={tp}")
+            raise comm.ConfigError(
+                f"sequence parallelism needs train.seq_len={seq_len} divisible by parallel.tp={tp}"
+            )
         # [micro, seq(/tp), dim]: every message between stages has this shape
-        self.shape = (micro_batch_size, seq_len // tp if sequence_parallel else seq_len, stages.recipe.hidden_size)
+        self.shape = (
+            micro_batch_size,
+            seq_len // tp if sequence_parallel else seq_len,
+            stages.recipe.hidden_size,
+        )
         self.positions = torch.arange(seq_len, device=self.device)
         # Posting receives early is safe on gloo, where each transfer progresses on its own.
         # On stream-ordered transports (NCCL, HCCL) an early receive queues ahead of sends to
@@ -79,8 +106,11 @@ class PipelineRuntime:
         self.prefetch = (mesh.ctx.backend == "gloo") if prefetch is None else prefetch
         self.comm = StageComm(self.group, self.device)
         grad_kind = W if self.split else B
-        self._sync_at = {max(i for i, a in enumerate(self.actions) if a.kind == grad_kind and a.chunk == c)
-                         for c in range(self.vpp) if any(a.kind == grad_kind and a.chunk == c for a in self.actions)}
+        self._sync_at = {
+            max(i for i, a in enumerate(self.actions) if a.kind == grad_kind and a.chunk == c)
+            for c in range(self.vpp)
+            if any(a.kind == grad_kind and a.chunk == c for a in self.actions)
+        }
         self._post_before: dict[int, list[int]] = defaultdict(list)
         last_compute = 0
         for i, a in enumerate(self.actions):
@@ -120,7 +150,9 @@ class PipelineRuntime:
         microbatches of the cross-entropy (float64, CPU), the same on every rank; gradients
         (of the mean) are left in the parameters / DP buckets."""
         if len(micro) != self.microbatches:
-            raise ScheduleError(f"pipeline runtime built for {self.microbatches} microbatches got {len(micro)}")
+            raise ScheduleError(
+                f"pipeline runtime built for {self.microbatches} microbatches got {len(micro)}"
+            )
         self._micro, self._dp = micro, dp
         self._inbox: dict = {}
         self._outbox: dict = {}
@@ -151,8 +183,10 @@ class PipelineRuntime:
                 times.append((t0 - t_start, time.perf_counter() - t_start))
         self.comm.drain()
         if self._live or self._inbox or self._outbox:
-            raise RuntimeError(f"pipeline step ended with state left: live {list(self._live)[:4]}, "
-                               f"inbox {list(self._inbox)[:4]}, outbox {list(self._outbox)[:4]}")
+            raise RuntimeError(
+                f"pipeline step ended with state left: live {list(self._live)[:4]}, "
+                f"inbox {list(self._inbox)[:4]}, outbox {list(self._outbox)[:4]}"
+            )
         self.last_trace = times
         return self._reduce_losses()
 
@@ -187,8 +221,9 @@ class PipelineRuntime:
         aux = chunk.aux_loss()
         if aux is not None:
             roots.append(aux / m)
-        self._live[(a.microbatch, a.chunk)] = _Live(leaf if not chunk.is_first or self.split else None,
-                                                    roots, emb)
+        self._live[(a.microbatch, a.chunk)] = _Live(
+            leaf if not chunk.is_first or self.split else None, roots, emb
+        )
 
     def _backward(self, a: Action) -> None:
         key = (a.microbatch, a.chunk)
@@ -222,7 +257,7 @@ class PipelineRuntime:
             raise RuntimeError("no pipeline trace recorded: build the runtime with trace=True and run a step")
         n = max(len(a) for a in self.schedule)
         mine = torch.zeros(n, 2, dtype=torch.float64)
-        mine[:len(self.last_trace)] = torch.tensor(self.last_trace, dtype=torch.float64)
+        mine[: len(self.last_trace)] = torch.tensor(self.last_trace, dtype=torch.float64)
         every = comm.all_gather(mine.to(self.device), self.group).cpu().view(self.pp, n, 2)
         return [[tuple(every[r, i].tolist()) for i in range(len(self.schedule[r]))] for r in range(self.pp)]
 

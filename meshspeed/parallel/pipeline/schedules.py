@@ -9,9 +9,9 @@ Virtual stage s = chunk * pp + rank (Megatron's interleaved placement, see actio
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from meshspeed.parallel.pipeline.actions import B, F, W, Action, ScheduleError
+from meshspeed.parallel.pipeline.actions import Action, B, F, ScheduleError, W
 from meshspeed.parallel.pipeline.comms import insert_comms
 
 ScheduleFn = Callable[[int, int, int], "list[list[Action]]"]
@@ -37,7 +37,9 @@ def get_schedule(name: str) -> ScheduleFn:
     try:
         return SCHEDULES[name]
     except KeyError:
-        raise ScheduleError(f"pipeline schedule {name!r} is unknown; valid schedules: {', '.join(SCHEDULES)}") from None
+        raise ScheduleError(
+            f"pipeline schedule {name!r} is unknown; valid schedules: {', '.join(SCHEDULES)}"
+        ) from None
 
 
 def build_schedule(name: str, pp: int, vpp: int, microbatches: int, comms: bool = True) -> list[list[Action]]:
@@ -51,18 +53,34 @@ def _check(name: str, pp: int, vpp: int, m: int, *, interleaved: bool) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name}: {key}={value!r} is invalid; it must be an integer >= 1")
     if interleaved and vpp < 2:
-        raise ScheduleError(f"{name}: vpp={vpp} but an interleaved schedule needs vpp >= 2 model chunks per rank; use vpp=2 or schedule '1f1b'")
+        raise ScheduleError(
+            f"{name}: vpp={vpp} but an interleaved schedule needs vpp >= 2 model chunks per rank; "
+            "use vpp=2 or schedule '1f1b'"
+        )
     if not interleaved and vpp != 1:
-        raise ScheduleError(f"{name}: vpp={vpp} is not supported (one model chunk per rank); use vpp=1 or schedule 'interleaved'")
+        raise ScheduleError(
+            f"{name}: vpp={vpp} is not supported (one model chunk per rank); "
+            "use vpp=1 or schedule 'interleaved'"
+        )
 
 
-@_register("gpipe", interleaved=False, split_backward=False, summary="all forwards, then all backwards; holds m microbatches of activations")
+@_register(
+    "gpipe",
+    interleaved=False,
+    split_backward=False,
+    summary="all forwards, then all backwards; holds m microbatches of activations",
+)
 def gpipe(pp: int, vpp: int, m: int) -> list[list[Action]]:
     _check("gpipe", pp, vpp, m, interleaved=False)
     return [[Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)] for _ in range(pp)]
 
 
-@_register("1f1b", interleaved=False, split_backward=False, summary="warmup pp-rank-1 forwards, then one forward / one backward; holds <= pp microbatches")
+@_register(
+    "1f1b",
+    interleaved=False,
+    split_backward=False,
+    summary="warmup pp-rank-1 forwards, then one forward / one backward; holds <= pp microbatches",
+)
 def one_f_one_b(pp: int, vpp: int, m: int) -> list[list[Action]]:
     _check("1f1b", pp, vpp, m, interleaved=False)
     out = []
@@ -90,7 +108,10 @@ def _interleaved(name: str, pp: int, vpp: int, m: int, extra_warmup: int) -> lis
         # With a ragged last group the warmup counts no longer match and some (pp, vpp, m)
         # deadlock (e.g. pp 4, vpp 3, m 5), so the shape is required rather than patched.
         ok = max(pp, -(-m // pp) * pp)
-        raise ScheduleError(f"{name}: microbatches={m} must be a multiple of pp={pp} (and >= pp) for interleaved schedules; use e.g. --microbatches {ok}")
+        raise ScheduleError(
+            f"{name}: microbatches={m} must be a multiple of pp={pp} (and >= pp) for interleaved schedules; "
+            f"use e.g. --microbatches {ok}"
+        )
     fwd = _interleaved_table(pp, vpp, m)
     # Backward visits the same microbatch groups with chunks in reverse (the last stage goes first).
     bwd = [(mb, vpp - 1 - c) for mb, c in fwd]
@@ -108,7 +129,12 @@ def _interleaved(name: str, pp: int, vpp: int, m: int, extra_warmup: int) -> lis
     return out
 
 
-@_register("interleaved", interleaved=True, split_backward=False, summary="Megatron interleaved 1F1B over vpp model chunks per rank; bubble / vpp")
+@_register(
+    "interleaved",
+    interleaved=True,
+    split_backward=False,
+    summary="Megatron interleaved 1F1B over vpp model chunks per rank; bubble / vpp",
+)
 def interleaved(pp: int, vpp: int, m: int) -> list[list[Action]]:
     return _interleaved("interleaved", pp, vpp, m, extra_warmup=0)
 
@@ -117,7 +143,8 @@ def interleaved(pp: int, vpp: int, m: int) -> list[list[Action]]:
     "interleaved-extra-warmup",
     interleaved=True,
     split_backward=False,
-    summary="interleaved + 1 extra warmup forward per rank: each steady F/B pair is independent, so they and their p2p can overlap",
+    summary="interleaved + 1 extra warmup forward per rank: each steady F/B pair is independent, "
+    "so they and their p2p can overlap",
 )
 def interleaved_extra_warmup(pp: int, vpp: int, m: int) -> list[list[Action]]:
     # One more microbatch in flight per rank (one chunk's activations of memory) buys a steady
@@ -126,7 +153,13 @@ def interleaved_extra_warmup(pp: int, vpp: int, m: int) -> list[list[Action]]:
     return _interleaved("interleaved-extra-warmup", pp, vpp, m, extra_warmup=1)
 
 
-@_register("zero-bubble", interleaved=False, split_backward=True, summary="ZB-H1: backward split into B (input grad) and W (weight grad); W deferred into the cooldown bubble")
+@_register(
+    "zero-bubble",
+    interleaved=False,
+    split_backward=True,
+    summary="ZB-H1: backward split into B (input grad) and W (weight grad); "
+    "W deferred into the cooldown bubble",
+)
 def zero_bubble(pp: int, vpp: int, m: int) -> list[list[Action]]:
     _check("zero-bubble", pp, vpp, m, interleaved=False)
     out = []

@@ -23,24 +23,24 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 from meshspeed.parallel.pipeline.actions import (
-    B,
-    F,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
-    W,
     Action,
+    B,
+    F,
     ScheduleError,
+    W,
     holder_of,
     stage_of,
 )
 from meshspeed.parallel.pipeline.comms import has_comms, insert_comms, message_of
 
-Number = Union[int, float, Fraction]
+Number = int | float | Fraction
 
 
 class DeadlockError(ScheduleError):
@@ -162,8 +162,10 @@ def simulate(
             want = (F if a.kind == RECV_F else B, a.microbatch, a.chunk)
             if (kind, mb, chunk) != want:
                 raise ScheduleError(
-                    f"rank {rank}: {a} expects the {'activation' if a.kind == RECV_F else 'gradient'} for {want[0]}{want[1]}.{want[2]} "
-                    f"but rank {a.peer} sent {kind}{mb}.{chunk} first; receives on a pair of ranks must follow the send order (is a send missing or out of order?)"
+                    f"rank {rank}: {a} expects the {'activation' if a.kind == RECV_F else 'gradient'} "
+                    f"for {want[0]}{want[1]}.{want[2]} "
+                    f"but rank {a.peer} sent {kind}{mb}.{chunk} first; receives on a pair of ranks must "
+                    "follow the send order (is a send missing or out of order?)"
                 )
             inbox[rank][want] = arrival
             clock[rank] = max(clock[rank], arrival)  # the receive blocks
@@ -171,11 +173,19 @@ def simulate(
         if a.kind in (SEND_F, SEND_B):
             src = (F if a.kind == SEND_F else B, a.microbatch, a.chunk)
             if src not in done[rank]:
-                raise ScheduleError(f"rank {rank}: {a} sends the output of {src[0]}{src[1]}.{src[2]} before that compute ran")
+                raise ScheduleError(
+                    f"rank {rank}: {a} sends the output of {src[0]}{src[1]}.{src[2]} before that compute ran"
+                )
             msg = message_of(Action(*src), rank, pp, vpp)
             if msg is None or msg[1] != a.peer:
-                where = "nowhere (it stays on this rank or ends the pipeline)" if msg is None else f"rank {msg[1]}"
-                raise ScheduleError(f"rank {rank}: {a} sends to rank {a.peer} but that output belongs to {where}")
+                where = (
+                    "nowhere (it stays on this rank or ends the pipeline)"
+                    if msg is None
+                    else f"rank {msg[1]}"
+                )
+                raise ScheduleError(
+                    f"rank {rank}: {a} sends to rank {a.peer} but that output belongs to {where}"
+                )
             # the message is keyed by what the receiver will run with it: (kind, microbatch, its chunk)
             delivered = (src[0], a.microbatch, msg[2])
             channels.setdefault((rank, a.peer), deque()).append((delivered, done[rank][src] + costs.p2p))
@@ -191,17 +201,27 @@ def simulate(
             deps.append(((B, a.microbatch, a.chunk), rank, "its input-gradient B"))
         prod = _producer(a, rank, pp, vpp)
         if prod is not None:
-            deps.append(((prod[0], a.microbatch, prod[2]), prod[1], "the previous stage's output" if a.kind == F else "the next stage's gradient"))
+            deps.append(
+                (
+                    (prod[0], a.microbatch, prod[2]),
+                    prod[1],
+                    "the previous stage's output" if a.kind == F else "the next stage's gradient",
+                )
+            )
         for dep, dep_rank, why in deps:
             if dep_rank == rank:
                 if dep not in done[rank]:
-                    raise ScheduleError(f"rank {rank}: {a} runs before {dep[0]}{dep[1]}.{dep[2]} ({why}); move it after that action")
+                    raise ScheduleError(
+                        f"rank {rank}: {a} runs before {dep[0]}{dep[1]}.{dep[2]} ({why}); "
+                        "move it after that action"
+                    )
                 ready = max(ready, done[rank][dep])
             else:
                 mine = (a.kind, a.microbatch, a.chunk)
                 if mine not in inbox[rank]:
                     raise ScheduleError(
-                        f"rank {rank}: {a} needs {why} from rank {dep_rank} but no receive for it comes first; "
+                        f"rank {rank}: {a} needs {why} from rank {dep_rank} "
+                        "but no receive for it comes first; "
                         f"insert_comms() places the receives"
                     )
                 ready = max(ready, inbox[rank][mine])
@@ -248,18 +268,25 @@ def _deadlock_message(schedule: list[list[Action]], ptr: list[int]) -> str:
         a = blocked[rank]
         what = "activation" if a.kind == RECV_F else "gradient"
         needed = ("F" if a.kind == RECV_F else "B") + f"{a.microbatch}.{a.chunk}"
-        return f"rank {rank} blocks at {a} (step {ptr[rank]}) waiting for the {what} for {needed} from rank {a.peer}"
+        return (
+            f"rank {rank} blocks at {a} (step {ptr[rank]}) waiting for the {what} for {needed} "
+            f"from rank {a.peer}"
+        )
 
     rank, path = min(blocked), []
     while rank in blocked and rank not in path:  # follow "waits for" until it loops or ends
         path.append(rank)
         rank = blocked[rank].peer
     if rank in path:
-        cycle = path[path.index(rank):]
-        head = f"deadlock between ranks {' -> '.join(map(str, cycle + [rank]))}: " + "; ".join(waits(r) for r in cycle)
+        cycle = path[path.index(rank) :]
+        head = f"deadlock between ranks {' -> '.join(map(str, cycle + [rank]))}: " + "; ".join(
+            waits(r) for r in cycle
+        )
     else:
         cycle = path[-1:]
         head = f"deadlock: {waits(path[-1])}, which finished without sending it"
     behind = sorted(set(blocked) - set(cycle))
     tail = f" (ranks {', '.join(map(str, behind))} wait behind them)" if behind else ""
-    return head + tail + ". Reorder F/B on these ranks so each rank sends what the other needs before it waits"
+    return (
+        head + tail + ". Reorder F/B on these ranks so each rank sends what the other needs before it waits"
+    )

@@ -61,7 +61,9 @@ def _walk(roots: list[torch.Tensor]) -> list:
             continue
         seen.add(node)
         stack.append((node, True))
-        stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in seen)
+        stack.extend(
+            (child, False) for child, _ in node.next_functions if child is not None and child not in seen
+        )
     return order
 
 
@@ -118,13 +120,19 @@ def weight_groups(roots: list[torch.Tensor], params: list[torch.Tensor]) -> list
     return [(edges, list(ps.values())) for _, (edges, ps) in sorted(groups.items())]
 
 
-def split_backward(roots: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor],
-                   params: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightGrad]:
+def split_backward(
+    roots: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    inputs: list[torch.Tensor],
+    params: list[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightGrad]:
     """B: gradients of `roots` (seeded with `grads`) w.r.t. `inputs`, plus the captured state
     W needs to produce (accumulate into .grad) the gradients of `params`."""
     groups = weight_groups(roots, params)
     if groups is None:  # shared weight: B takes the input gradients, W a full weight backward
-        out = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True) if inputs else []
+        out = (
+            torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True) if inputs else []
+        )
         return list(out), WeightGrad([], (roots, grads, params))
     edges = [e for es, _ in groups for e in es]
     targets = list(inputs) + edges
@@ -134,6 +142,6 @@ def split_backward(roots: list[torch.Tensor], grads: list[torch.Tensor | None], 
     n, k = len(inputs), len(inputs)
     wgroups = []
     for es, ps in groups:
-        wgroups.append((es, list(out[k:k + len(es)]), ps))
+        wgroups.append((es, list(out[k : k + len(es)]), ps))
         k += len(es)
     return list(out[:n]), WeightGrad(wgroups)

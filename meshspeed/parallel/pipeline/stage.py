@@ -38,15 +38,20 @@ def stage_layouts(recipe: Recipe, pp: int, vpp: int = 1, spec: str = "") -> list
     n = recipe.n_layers
     if pp > 1 and recipe.tied:
         alias, owner = recipe.tied[0]
-        raise ConfigError(f"parallel.pp={pp} with tied embeddings ({alias} = {owner}): the embedding (stage 0) and "
-                          "output head (last stage) live on different ranks; untie them (ModelConfig.tie_embeddings=False) to pipeline")
+        raise ConfigError(
+            f"parallel.pp={pp} with tied embeddings ({alias} = {owner}): the embedding (stage 0) and "
+            "output head (last stage) live on different ranks; "
+            "untie them (ModelConfig.tie_embeddings=False) to pipeline"
+        )
     try:
         if spec and spec.strip():
             return parse_layout(spec, pp, vpp, n_layers=n)
         if vpp > 1 and n >= pp * vpp and n % (pp * vpp):  # fewer layers: even_layout says so
             raise ScheduleError(
-                f"parallel.vpp={vpp}: n_layers={n} does not divide into pp*vpp = {pp * vpp} equal model chunks; "
-                f"use a vpp with pp*vpp dividing {n} or give {KEY} explicitly (e.g. '{_counts_hint(n, pp * vpp)}')")
+                f"parallel.vpp={vpp}: n_layers={n} does not divide into pp*vpp = {pp * vpp} equal model "
+                f"chunks; use a vpp with pp*vpp dividing {n} or give {KEY} explicitly "
+                f"(e.g. '{_counts_hint(n, pp * vpp)}')"
+            )
         return even_layout(n, pp, vpp)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
@@ -54,7 +59,9 @@ def stage_layouts(recipe: Recipe, pp: int, vpp: int = 1, spec: str = "") -> list
 
 def _counts_hint(n: int, stages: int) -> str:
     base, extra = divmod(n, stages)
-    return ",".join(str(base + (1 if s >= stages - 1 - extra and s < stages - 1 else 0)) for s in range(stages))
+    return ",".join(
+        str(base + (1 if s >= stages - 1 - extra and s < stages - 1 else 0)) for s in range(stages)
+    )
 
 
 class StageChunk:
@@ -114,16 +121,19 @@ class StageChunk:
 
     def __repr__(self) -> str:
         s = self.layout
-        return (f"StageChunk(stage {s.stage}: rank {s.rank} chunk {s.chunk}, layers {list(s.layers)}"
-                f"{', embedding' if s.embedding else ''}{', head+loss' if s.head else ''})")
+        return (
+            f"StageChunk(stage {s.stage}: rank {s.rank} chunk {s.chunk}, layers {list(s.layers)}"
+            f"{', embedding' if s.embedding else ''}{', head+loss' if s.head else ''})"
+        )
 
 
 class PipelineStages:
     """This rank's share of the pipeline: `model` (the stage model: what DP, the optimizer and
     checkpoints see) and `chunks` (its vpp StageChunks, chunk order)."""
 
-    def __init__(self, model: nn.Module, recipe: Recipe, layouts: list[StageLayout], rank: int, pp: int,
-                 vpp: int):
+    def __init__(
+        self, model: nn.Module, recipe: Recipe, layouts: list[StageLayout], rank: int, pp: int, vpp: int
+    ):
         self.model, self.recipe, self.layouts = model, recipe, layouts
         self.rank, self.pp, self.vpp = rank, pp, vpp
         self.chunks = [StageChunk(model, recipe, layouts[c * pp + rank], pp * vpp) for c in range(vpp)]
@@ -157,22 +167,56 @@ def keep_stage(recipe: Recipe, layouts: list[StageLayout], rank: int):
     return cut
 
 
-def stage_model(recipe: Recipe, layouts: list[StageLayout], rank: int, mesh, *, seed: int = 0,
-                device: torch.device | str = "cpu", sequence_parallel: bool = False,
-                plan=None, dtype: torch.dtype | None = None) -> nn.Module:
+def stage_model(
+    recipe: Recipe,
+    layouts: list[StageLayout],
+    rank: int,
+    mesh,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    sequence_parallel: bool = False,
+    plan=None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
     """The single-device model reduced to what pipeline rank `rank` holds, tensor parallel over
     mesh["tp"], each piece initialised exactly as the full model's."""
-    return build_parallel_model(recipe, mesh, seed=seed, device=device, dtype=dtype,
-                                sequence_parallel=sequence_parallel, plan=plan,
-                                keep=keep_stage(recipe, layouts, rank))
+    return build_parallel_model(
+        recipe,
+        mesh,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        sequence_parallel=sequence_parallel,
+        plan=plan,
+        keep=keep_stage(recipe, layouts, rank),
+    )
 
 
-def build_stages(recipe: Recipe, mesh, *, vpp: int = 1, layout: str = "", seed: int = 0,
-                 device: torch.device | str = "cpu", sequence_parallel: bool = False,
-                 plan=None, dtype: torch.dtype | None = None) -> PipelineStages:
+def build_stages(
+    recipe: Recipe,
+    mesh,
+    *,
+    vpp: int = 1,
+    layout: str = "",
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    sequence_parallel: bool = False,
+    plan=None,
+    dtype: torch.dtype | None = None,
+) -> PipelineStages:
     """This rank's pipeline stages (pp and rank from `mesh`), tensor parallel over mesh["tp"]."""
     pp, rank = mesh.dims.pp, mesh.coords["pp"]
     layouts = stage_layouts(recipe, pp, vpp, layout)
-    model = stage_model(recipe, layouts, rank, mesh, seed=seed, device=device,
-                        sequence_parallel=sequence_parallel, plan=plan, dtype=dtype)
+    model = stage_model(
+        recipe,
+        layouts,
+        rank,
+        mesh,
+        seed=seed,
+        device=device,
+        sequence_parallel=sequence_parallel,
+        plan=plan,
+        dtype=dtype,
+    )
     return PipelineStages(model, recipe, layouts, rank, pp, vpp)

@@ -15,12 +15,19 @@ import json
 import os
 from statistics import mean, median
 
-from meshspeed.parallel.pipeline.actions import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
+from meshspeed.parallel.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W
 from meshspeed.parallel.pipeline.simulate import Costs, SimResult, Span, peak_activations, simulate
 
 
-def measured_result(name: str, schedule: list[list[Action]], times: list[list[tuple[float, float]]], pp: int,
-                    vpp: int, microbatches: int, split: bool) -> SimResult:
+def measured_result(
+    name: str,
+    schedule: list[list[Action]],
+    times: list[list[tuple[float, float]]],
+    pp: int,
+    vpp: int,
+    microbatches: int,
+    split: bool,
+) -> SimResult:
     """SimResult of a recorded step. times[rank][i] = (start, end) of schedule[rank][i], seconds."""
     origin = min(t[0][0] for t in times if t)
     timelines, busy = [], []
@@ -30,10 +37,19 @@ def measured_result(name: str, schedule: list[list[Action]], times: list[list[tu
         busy.append(sum(s.end - s.start for s in spans))
     makespan = max((t[-1][1] - origin for t in times if t), default=0.0)
     costs = measured_costs(timelines, vpp, split, p2p_latency(schedule, times))
-    result = SimResult(pp=pp, vpp=vpp, costs=costs, split=split, schedule=schedule,
-                       timelines=timelines, makespan=makespan, busy=busy,
-                       peak_activations=[peak_activations(a, split) for a in schedule], microbatches=microbatches,
-                       name=name)
+    result = SimResult(
+        pp=pp,
+        vpp=vpp,
+        costs=costs,
+        split=split,
+        schedule=schedule,
+        timelines=timelines,
+        makespan=makespan,
+        busy=busy,
+        peak_activations=[peak_activations(a, split) for a in schedule],
+        microbatches=microbatches,
+        name=name,
+    )
     return result
 
 
@@ -47,7 +63,9 @@ def measured_costs(timelines: list[list[Span]], vpp: int, split: bool, p2p: floa
     return Costs(f=f, b=b, w=w, p2p=p2p)
 
 
-def p2p_latency(schedule: list[list[Action]], times: list[list[tuple[float, float]]], min_wait: float = 1e-4) -> float:
+def p2p_latency(
+    schedule: list[list[Action]], times: list[list[tuple[float, float]]], min_wait: float = 1e-4
+) -> float:
     """Median delivery time of the messages a receiver actually waited for: end of its RECV
     minus the start of the matching SEND (the k-th send on a rank pair meets the k-th
     receive, comms.py). A receive that found its message already there bounds nothing and
@@ -82,10 +100,16 @@ def write_trace(directory: str, measured: SimResult, step: int, png: bool = True
 
     sim = compare(measured)
     os.makedirs(directory, exist_ok=True)
-    doc = {"step": step, "unit": "seconds", "measured": json.loads(to_json(measured)),
-           "simulated": json.loads(to_json(sim)),
-           "bubble_measured": float(measured.bubble), "bubble_simulated": float(sim.bubble),
-           "makespan_measured": float(measured.makespan), "makespan_simulated": float(sim.makespan)}
+    doc = {
+        "step": step,
+        "unit": "seconds",
+        "measured": json.loads(to_json(measured)),
+        "simulated": json.loads(to_json(sim)),
+        "bubble_measured": float(measured.bubble),
+        "bubble_simulated": float(sim.bubble),
+        "makespan_measured": float(measured.makespan),
+        "makespan_simulated": float(sim.makespan),
+    }
     path = os.path.join(directory, "pp_trace.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -93,9 +117,13 @@ def write_trace(directory: str, measured: SimResult, step: int, png: bool = True
     if png:
         try:
             for res, stem, what in ((measured, "pp_trace", "measured"), (sim, "pp_trace_sim", "simulated")):
-                title = (f"{what}: {res.name}  pp={res.pp} vpp={res.vpp} m={res.microbatches}  "
-                         f"bubble={float(res.bubble):.3f}  makespan={float(res.makespan) * 1e3:.1f} ms")
-                out["png"].append(draw_png(res, os.path.join(directory, f"{stem}.png"), title=title, xlabel="time (s)"))
+                title = (
+                    f"{what}: {res.name}  pp={res.pp} vpp={res.vpp} m={res.microbatches}  "
+                    f"bubble={float(res.bubble):.3f}  makespan={float(res.makespan) * 1e3:.1f} ms"
+                )
+                out["png"].append(
+                    draw_png(res, os.path.join(directory, f"{stem}.png"), title=title, xlabel="time (s)")
+                )
         except RuntimeError:  # no matplotlib: the JSON is the record
             pass
     return out

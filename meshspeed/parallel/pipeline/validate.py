@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from meshspeed.parallel.pipeline.actions import B, F, W, Action, ScheduleError
+from meshspeed.parallel.pipeline.actions import Action, B, F, ScheduleError, W
 from meshspeed.parallel.pipeline.simulate import Costs, SimResult, simulate
 
 _NAMES = {F: "forward", B: "backward", W: "weight-gradient"}
@@ -33,21 +33,31 @@ def validate(
         compute = [a for a in acts if a.is_compute]
         for a in compute:
             if not 0 <= a.chunk < vpp:
-                raise ScheduleError(f"rank {rank}: {a} uses chunk {a.chunk} but vpp={vpp} (chunks 0..{vpp - 1})")
+                raise ScheduleError(
+                    f"rank {rank}: {a} uses chunk {a.chunk} but vpp={vpp} (chunks 0..{vpp - 1})"
+                )
             if not 0 <= a.microbatch < microbatches:
-                raise ScheduleError(f"rank {rank}: {a} uses microbatch {a.microbatch} but microbatches={microbatches} (0..{microbatches - 1})")
+                raise ScheduleError(
+                    f"rank {rank}: {a} uses microbatch {a.microbatch} but microbatches={microbatches} "
+                    f"(0..{microbatches - 1})"
+                )
             if a.kind == W and not split:
-                raise ScheduleError(f"rank {rank}: {a} is a W but split=False; a non-split schedule has full backwards only")
+                raise ScheduleError(
+                    f"rank {rank}: {a} is a W but split=False; a non-split schedule has full backwards only"
+                )
         seen = Counter((a.kind, a.microbatch, a.chunk) for a in compute)
         for (kind, mb, chunk), n in seen.items():
             if n > 1:
-                raise ScheduleError(f"rank {rank} runs {kind}{mb}.{chunk} {n} times; each must run exactly once")
+                raise ScheduleError(
+                    f"rank {rank} runs {kind}{mb}.{chunk} {n} times; each must run exactly once"
+                )
         for mb in range(microbatches):
             for chunk in range(vpp):
                 for kind in kinds:
                     if (kind, mb, chunk) not in seen:
                         raise ScheduleError(
-                            f"rank {rank} has no {kind}{mb}.{chunk} ({_NAMES[kind]} of microbatch {mb}, chunk {chunk}); "
+                            f"rank {rank} has no {kind}{mb}.{chunk} ({_NAMES[kind]} of microbatch {mb}, "
+                            f"chunk {chunk}); "
                             f"every microbatch needs {'/'.join(kinds)} on every chunk"
                         )
         position = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(compute)}
