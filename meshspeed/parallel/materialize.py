@@ -73,10 +73,11 @@ def _real(p: nn.Parameter, fqn: str, recipe: Recipe, mesh, seed: int, device, dt
     # A fresh tensor of the piece's own size, always: `.to()` is a no-op on the same device and
     # dtype and a Shard(0) piece of a contiguous tensor is already contiguous, so without this
     # the Parameter would be a view keeping the whole full value alive.
-    local = torch.empty(value.shape, device=device, dtype=dtype or p.dtype)
-    local.copy_(value)
+    real = value.to(device=device, dtype=dtype or p.dtype)  # a lazy init (a file slice) reads here
+    local = torch.empty(real.shape, device=device, dtype=real.dtype)
+    local.copy_(real)
     out = nn.Parameter(local, requires_grad=p.requires_grad)
-    del value  # the full value goes now, before the next parameter is drawn
+    del value, real  # the full value goes now, before the next parameter is drawn
     for k, v in p.__dict__.items():  # tags (sharding, sparsity marks) travel with the parameter
         setattr(out, k, v)
     return tag(out, sharding)
