@@ -70,14 +70,14 @@ def _real(p: nn.Parameter, fqn: str, recipe: Recipe, mesh, seed: int, device, dt
             f"materialize: {fqn} piece has shape {list(value.shape)}, the module expects "
             f"{list(p.shape)} (sharding {sharding})"
         )
-    # A fresh tensor of the piece's own size, always: `.to()` is a no-op on the same device and
-    # dtype and a Shard(0) piece of a contiguous tensor is already contiguous, so without this
-    # the Parameter would be a view keeping the whole full value alive.
-    real = value.to(device=device, dtype=dtype or p.dtype)  # a lazy init (a file slice) reads here
-    local = torch.empty(real.shape, device=device, dtype=real.dtype)
-    local.copy_(real)
+    local = value.to(device=device, dtype=dtype or p.dtype)  # a lazy init (a file slice) reads here
+    # `.to()` is a no-op on the same device and dtype, and a Shard(0) piece of a contiguous
+    # tensor is already contiguous: without this copy the Parameter would be a view keeping the
+    # whole full value alive. A piece that already owns exactly its bytes is kept as is.
+    if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+        local = local.clone(memory_format=torch.contiguous_format)
     out = nn.Parameter(local, requires_grad=p.requires_grad)
-    del value, real  # the full value goes now, before the next parameter is drawn
+    del value, local  # the full value goes now, before the next parameter is drawn
     for k, v in p.__dict__.items():  # tags (sharding, sparsity marks) travel with the parameter
         setattr(out, k, v)
     return tag(out, sharding)

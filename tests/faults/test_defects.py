@@ -25,18 +25,8 @@ from meshspeed.train.export import weight_masks
 from meshspeed.train.safetensors_io import read_safetensors
 from meshspeed.train.trainer import Trainer
 from tests import harness
+from tests.train.test_trainer import BASE  # the trainer tests' tiny float32 layout
 
-BASE = [
-    ("model.n_heads", "4"),
-    ("model.n_kv_heads", "4"),
-    ("train.seq_len", "32"),
-    ("train.global_batch_size", "8"),
-    ("train.micro_batch_size", "2"),
-    ("train.dtype", "float32"),
-    ("train.eval_interval", "0"),
-    ("train.warmup_steps", "3"),
-    ("data.max_mb", "1"),
-]
 NM24 = [("sparsity.pattern", "2:4")]
 
 
