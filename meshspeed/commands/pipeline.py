@@ -146,7 +146,8 @@ def run_show(args) -> int:
             runs = [(args.schedule, _vpp_for(args.schedule, args.vpp))]
         results = [evaluate(name, args.pp, vpp, args.microbatches, costs) for name, vpp in runs]
     except ScheduleError as e:
-        print(f"meshspeed pipeline show: error: {e}", file=sys.stderr)
+        hint = f"; use e.g. --microbatches {e.microbatches}" if e.microbatches else ""
+        print(f"meshspeed pipeline show: error: {e}{hint}", file=sys.stderr)
         return 2
 
     if len(results) == 1:

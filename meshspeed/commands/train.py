@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
+
+QUIET_WAIT_S = 20.0
 
 EXAMPLES = """examples:
   meshspeed train                                   # tiny model, stdlib corpus, 4 CPU workers (dp 2 x tp 2)
   meshspeed train --config configs/tiny.toml --train.steps 100 --parallel.zero 1
   meshspeed train --nproc 4 --parallel.tp 1 --parallel.zero 2 --checkpoint.interval 50
   meshspeed train --checkpoint.resume latest        # continue the run in --run.dir exactly
+  meshspeed train --config configs/llama3-8b.toml --nproc 64 --parallel.tp 8 --parallel.pp 4 --dry-run
+                                                    # what a layout needs, before renting a cluster
   meshspeed train --run.overwrite true              # start over in a --run.dir an earlier run used
   torchrun --nproc-per-node 8 -m meshspeed train --config configs/llama3-8b.toml
   torchrun --nproc-per-node 8 --max-restarts 3 -m meshspeed train --checkpoint.resume auto
@@ -42,24 +48,57 @@ def register(sub) -> None:
     p.add_argument(
         "--config", metavar="FILE.toml", help="a TOML preset (see configs/); default: the tiny preset"
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve and check the whole run, print the plan (layout per rank, micro-batches, "
+        "pipeline bubble, parameters and estimated memory per rank) and exit without starting "
+        "a worker; --nproc sets the world size (any, e.g. 64, on a laptop)",
+    )
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
     config.add_arguments(p)
     p.set_defaults(func=run)
+
+
+def _world_size(cfg) -> int:
+    from meshspeed.comm import launched
+
+    return int(os.environ.get("WORLD_SIZE", cfg.nproc)) if launched() else cfg.nproc
 
 
 def run(args) -> int:
     from meshspeed.comm import ConfigError, launch, launched
     from meshspeed.train import config
     from meshspeed.train.job import prepare_run_dir, worker
+    from meshspeed.train.plan import describe, make_plan
 
+    if args.json and not args.dry_run:
+        print("meshspeed train: --json prints the plan of --dry-run; add --dry-run", file=sys.stderr)
+        return 2
+    quiet = launched() and os.environ.get("RANK", "0") != "0"  # under torchrun: rank 0 speaks
     try:
         cfg = config.load(args.config, config.overrides_from_args(args))
+        # The whole run, resolved and checked once, before any worker starts (under torchrun,
+        # in each rank before it joins the job): a bad setting costs one line.
+        plan = make_plan(cfg, _world_size(cfg), ranks=args.dry_run)
+        if args.dry_run:
+            if not quiet:
+                print(json.dumps(plan.to_dict()) if args.json else describe(plan))
+            return 0
         if not launched():
-            config.resolve_layout(cfg, cfg.nproc)  # fail here, once, not in every worker
             prepare_run_dir(cfg, lead=True)
     except ConfigError as err:
-        if not launched() or os.environ.get("RANK", "0") == "0":  # under torchrun: every rank has it
-            print(f"meshspeed train: {err}", file=sys.stderr)
+        if quiet:
+            # Every rank found the same error; rank 0 says it. Exiting at once would make
+            # torchrun kill rank 0 before it prints, so wait: rank 0's exit ends this process
+            # (torchrun stops the others). Only if rank 0 did not fail (a file present on its
+            # node only) does this rank speak after the wait.
+            time.sleep(QUIET_WAIT_S)
+        print(f"meshspeed train: {err}", file=sys.stderr)
         return 2
+    if not quiet:
+        for w in plan.warnings:
+            print(f"meshspeed train: warning: {w}", file=sys.stderr, flush=True)
     if launched():  # torchrun: this process is one rank; a failure is one line and a non-zero exit
-        return launch.run_worker(worker, (cfg.to_dict(),))
-    return launch.spawn(worker, cfg.nproc, (cfg.to_dict(), True))
+        return launch.run_worker(worker, (plan.to_dict(),))
+    return launch.spawn(worker, cfg.nproc, (plan.to_dict(), True))

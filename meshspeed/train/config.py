@@ -9,6 +9,7 @@ the value and what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -282,8 +283,20 @@ def load(path: str | None = None, overrides: list[tuple[str, str]] | None = None
     return cfg
 
 
+def _check_finite(cfg: Config) -> None:
+    """No setting takes NaN or infinity (`train.lr inf` would train on NaN weights)."""
+    for section in SECTIONS:
+        sec = getattr(cfg, section)
+        for f in fields(sec):
+            v = getattr(sec, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{section}.{f.name}={v} is not a finite number; default {f.default}")
+
+
 def validate(cfg: Config) -> None:
-    """Checks that need no world size. World-size checks live in `resolve_layout`."""
+    """Checks of the settings alone; the run plan (train/plan.py) checks them against the world
+    size, the model and the data."""
+    _check_finite(cfg)
     t, p, c = cfg.train, cfg.parallel, cfg.checkpoint
     positive = [
         ("train.steps", t.steps),
@@ -305,9 +318,29 @@ def validate(cfg: Config) -> None:
         ("checkpoint.interval", c.interval),
         ("train.eval_interval", t.eval_interval),
         ("run.timeout", cfg.run.timeout),
+        ("train.weight_decay", t.weight_decay),
     ]:
         if not value >= 0:
             raise ConfigError(f"{key}={value} must be ≥ 0")
+    if t.grad_clip < 0:
+        raise ConfigError(
+            f"train.grad_clip={t.grad_clip} must be ≥ 0 (a gradient-norm bound; 0 = no clipping)"
+        )
+    for key, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key}={value} must be in [0, 1), e.g. 0.9 for beta1 and 0.95 for beta2")
+    for key, value in (
+        ("train.eval_batches", t.eval_batches),
+        ("run.log_interval", cfg.run.log_interval),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be ≥ 1")
+    for key, value, unit in (
+        ("data.max_mb", cfg.data.max_mb, "megabytes of text to read, e.g. 8"),
+        ("parallel.bucket_mb", p.bucket_mb, "megabytes per gradient bucket, e.g. 25"),
+    ):
+        if not value > 0:
+            raise ConfigError(f"{key}={value} must be > 0: {unit}")
     if t.max_bad_steps < 1:
         raise ConfigError(
             f"train.max_bad_steps={t.max_bad_steps} must be ≥ 1 (the run stops after this "
@@ -321,47 +354,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.lr={t.lr} must be > 0")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
-    if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size={t.micro_batch_size}"
-        )
     if c.keep < 1:
         raise ConfigError(f"checkpoint.keep={c.keep} must be ≥ 1")
     if cfg.sparsity.pattern != "none":
         from meshspeed.train.sparsity import sparsity_config
 
         sparsity_config(cfg.sparsity, total_steps=t.steps, seed=t.seed)  # one-line ConfigError if invalid
-
-
-def resolve_layout(cfg: Config, world_size: int) -> tuple[int, int]:
-    """(dp, gradient-accumulation steps) for this world size, or one line saying what to change."""
-    p, t = cfg.parallel, cfg.train
-    rest = p.tp * p.pp
-    if world_size % rest:
-        raise ConfigError(
-            f"parallel.tp={p.tp} × parallel.pp={p.pp} = {rest} does not divide the world size "
-            f"{world_size}; use --nproc {rest * max(1, world_size // rest)} or smaller degrees"
-        )
-    dp = p.dp or world_size // rest
-    if dp * rest != world_size:
-        raise ConfigError(
-            f"parallel.dp={p.dp} × tp={p.tp} × pp={p.pp} = {dp * rest} ranks, but the world size "
-            f"is {world_size}; set parallel.dp={world_size // rest} (or 0 for automatic)"
-        )
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
-        good = per_step * max(1, round(t.global_batch_size / per_step))
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size × dp "
-            f"= {t.micro_batch_size} × {dp} = {per_step}; e.g. train.global_batch_size={good}"
-        )
-    from meshspeed.train.pipeline import (
-        check,  # schedule, microbatches, stage layout: before any worker starts
-    )
-
-    check(cfg, t.global_batch_size // per_step)
-    return dp, t.global_batch_size // per_step
 
 
 def add_arguments(parser) -> None:

@@ -98,19 +98,22 @@ def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
         print(f"  hugging face {s['hf']}")
 
 
-def worker(cfg_dict: dict, prepared: bool = False) -> None:
-    """Runs on every rank (spawned by `meshspeed train` or under torchrun). `prepared`: the
-    launcher already applied the run-directory policy."""
+def worker(plan_dict: dict, prepared: bool = False) -> None:
+    """Runs on every rank (spawned by `meshspeed train` or under torchrun), given the run plan
+    (train/plan.py) as plain data. `prepared`: the launcher already applied the run-directory
+    policy."""
+    from meshspeed.train.plan import RunPlan
     from meshspeed.train.trainer import Trainer
 
-    cfg = from_dict(cfg_dict)
+    plan = RunPlan.from_dict(plan_dict)
+    cfg = from_dict(plan.config)
     if not prepared:  # under torchrun: every rank checks, rank 0 clears; nobody has joined yet
         try:
             prepare_run_dir(cfg, lead=os.environ.get("RANK", "0") == "0")
         except comm.ConfigError as err:
             raise echo(err, os.environ.get("RANK", "0") != "0")  # the same on every rank
     ctx = comm.init(timeout_s=cfg.run.timeout or None)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(cfg, ctx, plan)
     summary = trainer.run()
     if trainer.lead:
         print_summary(cfg, trainer, summary)

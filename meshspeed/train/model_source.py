@@ -18,10 +18,15 @@ SIZE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
 
 
 def preset_config(preset: str, overrides: dict, seq_len: int) -> ModelConfig:
-    """Preset + overrides, with max_seq_len raised to seq_len when it is longer."""
-    base = get_preset(preset, **overrides)
-    if seq_len > base.max_seq_len:
-        base = get_preset(preset, **overrides, max_seq_len=seq_len)
+    """Preset + overrides, with max_seq_len raised to seq_len when it is longer. A bad preset
+    name or override is one ConfigError line (ModelConfig names the field and what would work)."""
+    try:
+        base = get_preset(preset, **overrides)
+        if seq_len > base.max_seq_len:
+            base = get_preset(preset, **overrides, max_seq_len=seq_len)
+    except ValueError as e:
+        given = ", ".join(f"model.{k}={v}" for k, v in {"preset": preset, **overrides}.items())
+        raise ConfigError(f"{given}: {e}") from None
     return base
 
 

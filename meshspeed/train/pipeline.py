@@ -10,31 +10,20 @@ global_batch_size / (micro_batch_size * dp), as without pipelining.
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 
 from meshspeed.comm import ConfigError
-from meshspeed.models import recipe_for
 from meshspeed.parallel.pipeline.actions import ScheduleError
-from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
-from meshspeed.parallel.pipeline.validate import validate
-from meshspeed.train.hf_io import init_from
-from meshspeed.train.model_source import preset_config
+from meshspeed.parallel.pipeline.schedules import get_schedule
 
 
-def model_config(cfg):
-    """The ModelConfig the trainer builds: from model.init_from's directory when set, else the
-    preset + overrides, max_seq_len raised to seq_len."""
-    if cfg.model.init_from:
-        return init_from(cfg)[0]
-    return preset_config(cfg.model.preset, cfg.model.overrides(), cfg.train.seq_len)
-
-
-def check(cfg, microbatches: int) -> None:
-    """Everything about the pipeline settings that can be wrong, as one ConfigError line,
-    before any process is started: schedule vs vpp, microbatches the schedule needs, the
-    stage layout (layers vs pp*vpp, empty stages), tied embeddings."""
+def check(cfg, recipe, microbatches: int):
+    """Everything about the pipeline settings that can be wrong, as one ConfigError line, for
+    the run plan: schedule vs vpp, micro-batches the schedule needs, the stage layout (layers vs
+    pp*vpp, empty stages). Returns (stage layouts, the schedule's simulation), or ([], None)
+    without pipeline parallelism."""
+    from meshspeed.parallel.pipeline.analysis import evaluate
     from meshspeed.parallel.pipeline.stage import stage_layouts
 
     p = cfg.parallel
@@ -45,8 +34,9 @@ def check(cfg, microbatches: int) -> None:
                     f"parallel.{key}={value!r} needs parallel.pp > 1 (pipeline stages); "
                     f"set --parallel.pp 2 or leave parallel.{key} at {default!r}"
                 )
-        return
+        return [], None
     key = f"parallel.pp_schedule={p.pp_schedule}"
+    per = cfg.train.global_batch_size // microbatches  # sequences per micro-batch, all dp ranks
     try:
         fn = get_schedule(p.pp_schedule)
         if fn.interleaved and p.vpp < 2:
@@ -59,28 +49,20 @@ def check(cfg, microbatches: int) -> None:
                 f"runs one model chunk per rank but parallel.vpp={p.vpp}; use --parallel.vpp 1 or "
                 f"--parallel.pp_schedule interleaved"
             )
-        schedule = build_schedule(p.pp_schedule, p.pp, p.vpp, microbatches)
-        validate(schedule, p.pp, p.vpp, microbatches, split=fn.split_backward)
+        sim = evaluate(p.pp_schedule, p.pp, p.vpp, microbatches)
     except ScheduleError as e:
-        msg = str(e).split(": ", 1)[1] if str(e).startswith(p.pp_schedule + ":") else str(e)
-        per = cfg.train.global_batch_size // microbatches
-        # the schedule's own hint is in microbatches; the trainer's knob is the global batch
-        msg = re.sub(
-            r"use e\.g\. --microbatches (\d+)",
-            lambda h: f"e.g. train.global_batch_size={int(h.group(1)) * per}",
-            msg,
-        )
+        hint = f"; e.g. train.global_batch_size={e.microbatches * per}" if e.microbatches else ""
         raise ConfigError(
             f"{key} with {microbatches} microbatches (train.global_batch_size / (micro_batch_size × dp) "
-            f"= {cfg.train.global_batch_size} / {per}): {msg}"
+            f"= {cfg.train.global_batch_size} / {per}): {e}{hint}"
         ) from None
-    stage_layouts(recipe_for(model_config(cfg)), p.pp, p.vpp, p.pp_layout)  # raises ConfigError lines
+    return stage_layouts(recipe, p.pp, p.vpp, p.pp_layout), sim  # raises ConfigError lines
 
 
 class TrainerPipeline:
     """This rank's stages and runtime, plus what the trainer's step and validation need."""
 
-    def __init__(self, cfg, mesh, recipe, microbatches: int, device):
+    def __init__(self, cfg, mesh, recipe, microbatches: int, device, layouts=None):
         from meshspeed.parallel.pipeline.runtime import PipelineRuntime
         from meshspeed.parallel.pipeline.stage import build_stages
 
@@ -94,6 +76,7 @@ class TrainerPipeline:
             seed=t.seed,
             device=device,
             sequence_parallel=p.sequence_parallel,
+            layouts=layouts,
         )
         self.model = self.stages.model
         self.runtime = PipelineRuntime(

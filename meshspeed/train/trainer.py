@@ -18,12 +18,12 @@ import time
 import torch
 
 from meshspeed import comm
-from meshspeed.comm import ConfigError, ParallelDims
+from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
 from meshspeed.models import recipe_for
-from meshspeed.models.hf import check_exportable
 from meshspeed.parallel.materialize import build_parallel_model
 from meshspeed.parallel.optim import build_data_parallel, clip_grad_norm_, grad_norm
+from meshspeed.parallel.pipeline.layout import StageLayout
 from meshspeed.parallel.tensor import model_loss
 from meshspeed.sparse.cuda import invalidate_compressed
 from meshspeed.train import checkpoint as ckpt
@@ -32,12 +32,12 @@ from meshspeed.train.ckpt_dirs import CheckpointError, newest_verified
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
 from meshspeed.train.export import export_safetensors
 from meshspeed.train.hf_export import export_hf, source_hf_config
-from meshspeed.train.hf_io import init_from
+from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
 from meshspeed.train.metrics import MetricsLogger, lr_at
-from meshspeed.train.model_source import preset_config
 from meshspeed.train.pipeline import TrainerPipeline
+from meshspeed.train.plan import RunPlan, make_plan
 from meshspeed.train.sparsity import build_sparsity
-from meshspeed.train.tokenizer import check_vocab, load_tokenizer
+from meshspeed.train.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -49,28 +49,35 @@ class NonFiniteError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: config_mod.Config, ctx: comm.CommContext):
+    def __init__(self, cfg: config_mod.Config, ctx: comm.CommContext, plan: RunPlan | None = None):
+        """`plan`: the run plan the launcher resolved (train/plan.py); made here, for this world
+        size, when the trainer is used as a library without one."""
         self.cfg, self.ctx = cfg, ctx
         t, p = cfg.train, cfg.parallel
-        dp, self.accum = config_mod.resolve_layout(cfg, ctx.world_size)
-        self.mesh = ParallelDims(dp=dp, pp=p.pp, tp=p.tp).build(ctx)
+        self.plan = plan if plan is not None else make_plan(cfg, ctx.world_size, ranks=False)
+        if self.plan.world_size != ctx.world_size:
+            raise ConfigError(
+                f"the run plan is for {self.plan.world_size} ranks but {ctx.world_size} joined the job"
+            )
+        self.accum = self.plan.microbatches
+        self.mesh = self.plan.parallel_dims().build(ctx)
+        dp = self.mesh.dims.dp
         self.lead = ctx.rank == 0
-        # model.init_from: a Hugging Face dir (the recipe's init reads this rank's slices) or a checkpoint
-        init_weights = None
-        if cfg.model.init_from:
-            self.model_config, self.recipe, init_weights = init_from(cfg)
+        self.model_config = self.plan.model_config()
+        init_weights = self.plan.weights  # model.init_from a meshspeed checkpoint: loaded once built
+        if cfg.model.init_from and init_weights is None:
+            # a Hugging Face directory: the recipe's init reads this rank's slices of its files
+            self.recipe = hf_recipe(HFCheckpoint(cfg.model.init_from, "model.init_from"), self.model_config)
         else:
-            self.model_config = preset_config(cfg.model.preset, cfg.model.overrides(), t.seq_len)
             self.recipe = recipe_for(self.model_config)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        check_vocab(self.tokenizer, self.model_config.vocab_size)
-        if cfg.checkpoint.export_hf:  # refused now, not after training
-            check_exportable(self.model_config, "checkpoint.export_hf=true: ")
         torch.manual_seed(t.seed)
         # Born sharded: built on the meta device, each rank materialises only its pieces.
         # pp > 1: this rank's stage model (other stages' layers deleted, FQNs kept) + the schedule's runtime
         self.pipeline = (
-            TrainerPipeline(cfg, self.mesh, self.recipe, self.accum, ctx.device) if p.pp > 1 else None
+            TrainerPipeline(cfg, self.mesh, self.recipe, self.accum, ctx.device, self._layouts())
+            if p.pp > 1
+            else None
         )
         if self.pipeline is not None:
             self.model = self.pipeline.model
@@ -120,6 +127,9 @@ class Trainer:
         if cfg.checkpoint.resume:
             self.start_step = self._resume(cfg.checkpoint.resume)
         self.metrics = MetricsLogger(cfg.run.dir, t.steps, self.lead, cfg.run.log_interval, self.start_step)
+
+    def _layouts(self) -> list[StageLayout]:
+        return [StageLayout(**{**s, "layers": tuple(s["layers"])}) for s in self.plan.stages]
 
     # ------------------------------------------------------------------------------------
     def _resume(self, which: str) -> int:
@@ -184,6 +194,7 @@ class Trainer:
                 "model_config": dataclasses.asdict(self.model_config),
                 **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {}),
             },
+            config=self.plan.to_dict(),  # meta.json records the resolved run plan
             keep=self.cfg.checkpoint.keep,
         )
 

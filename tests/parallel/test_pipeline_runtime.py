@@ -24,6 +24,7 @@ from meshspeed.parallel.pipeline.runtime import PipelineRuntime
 from meshspeed.parallel.pipeline.split_backward import split_backward
 from meshspeed.parallel.pipeline.stage import build_stages, stage_layouts
 from meshspeed.train import config
+from meshspeed.train.plan import make_plan
 from meshspeed.train.trainer import Trainer
 from tests import harness
 
@@ -248,7 +249,7 @@ def test_trainer_losses_and_checkpoints_across_pipeline_layouts(tmp_path):
 def test_bad_pipeline_settings_fail_at_start_up(extra, ws, needle):
     cfg = config.load(None, BASE + extra)
     with pytest.raises(comm.ConfigError, match=None) as err:
-        config.resolve_layout(cfg, ws)
+        make_plan(cfg, ws)
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 

@@ -175,7 +175,7 @@ def test_cli_trains_and_reports(tmp_path):
         (["--parallel.tp", "3"], "parallel.tp=3 × parallel.pp=1 = 3 does not divide the world size 4"),
         (
             ["--train.global_batch_size", "12"],
-            "train.global_batch_size=12 is not divisible by micro_batch_size × dp",
+            "train.global_batch_size=12 is not divisible by train.micro_batch_size × parallel.dp",
         ),
         (["--parallel.zero", "3"], "parallel.zero='3' is not valid; choose one of 0, 1, 2"),
         (["--train.dtype", "fp8"], "train.dtype='fp8' is not valid"),

@@ -29,7 +29,15 @@ _PREFIX_COMM = {v: k for k, v in _COMM_PREFIX.items()}
 
 
 class ScheduleError(ValueError):
-    """A schedule's arguments or contents are wrong; the message says which and what would work."""
+    """A schedule's arguments or contents are wrong; the message says which and what would work.
+
+    `microbatches`: a micro-batch count that would work, when that is the fix. The caller words
+    the hint in its own settings (`--microbatches` for `meshspeed pipeline`, the global batch
+    size for the trainer), so no caller rewrites another's message."""
+
+    def __init__(self, message: str, microbatches: int | None = None):
+        super().__init__(message)
+        self.microbatches = microbatches
 
 
 @dataclass(frozen=True, order=True)

@@ -109,8 +109,8 @@ def _interleaved(name: str, pp: int, vpp: int, m: int, extra_warmup: int) -> lis
         # deadlock (e.g. pp 4, vpp 3, m 5), so the shape is required rather than patched.
         ok = max(pp, -(-m // pp) * pp)
         raise ScheduleError(
-            f"{name}: microbatches={m} must be a multiple of pp={pp} (and >= pp) for interleaved schedules; "
-            f"use e.g. --microbatches {ok}"
+            f"{name}: microbatches={m} must be a multiple of pp={pp} (and >= pp) for interleaved schedules",
+            microbatches=ok,
         )
     fwd = _interleaved_table(pp, vpp, m)
     # Backward visits the same microbatch groups with chunks in reverse (the last stage goes first).

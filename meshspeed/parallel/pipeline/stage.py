@@ -204,10 +204,12 @@ def build_stages(
     sequence_parallel: bool = False,
     plan=None,
     dtype: torch.dtype | None = None,
+    layouts: list[StageLayout] | None = None,
 ) -> PipelineStages:
-    """This rank's pipeline stages (pp and rank from `mesh`), tensor parallel over mesh["tp"]."""
+    """This rank's pipeline stages (pp and rank from `mesh`), tensor parallel over mesh["tp"].
+    `layouts`: the stages already resolved (the trainer's run plan), else from `layout`."""
     pp, rank = mesh.dims.pp, mesh.coords["pp"]
-    layouts = stage_layouts(recipe, pp, vpp, layout)
+    layouts = layouts if layouts is not None else stage_layouts(recipe, pp, vpp, layout)
     model = stage_model(
         recipe,
         layouts,

@@ -1,0 +1,327 @@
+"""The run plan: the whole run resolved once, before any worker starts, and handed to them.
+
+    plan = make_plan(cfg, world_size)      # every check; a ConfigError line when one fails
+    print(describe(plan))                  # `meshspeed train --dry-run`
+    Trainer(cfg, ctx, plan)                # the workers build what the plan says
+
+This is the only place that derives the layout (dp from the world size), the micro-batch count
+(global batch / (micro batch × dp)) and the model config (preset + overrides, or the config a
+`model.init_from` directory records). Everything that can be wrong with the settings is found
+here, in the parent process (or, under torchrun, in each rank before it joins the job), so a bad
+value costs one line and no spawned worker. The per-rank table (parameters, estimated memory)
+comes from the same meta-device build and tensor-parallel plan the workers run, not from a
+formula kept beside them: one build on the meta device, its tensor-parallel pieces tagged, then
+each rank's count read off the tags and the pipeline stages it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from meshspeed.comm import ConfigError, ParallelDims
+from meshspeed.comm.placement import chunk_sizes, sharding_of
+from meshspeed.models import ModelConfig, recipe_for
+from meshspeed.models.hf import check_exportable
+from meshspeed.parallel.tensor import check_tp, parallelize
+from meshspeed.train import config as config_mod
+from meshspeed.train.data import accumulation_steps
+from meshspeed.train.estimate import estimate_memory
+from meshspeed.train.model_source import preset_config
+
+
+@dataclass
+class RunPlan:
+    """Plain data (JSON-able): what every worker receives."""
+
+    config: dict  # the Config, as Config.to_dict()
+    world_size: int
+    dims: dict  # {"dp", "pp", "cp", "tp", "ep"}
+    microbatches: int  # micro-batches per rank per optimizer step (accumulation / pipeline)
+    model: dict  # the ModelConfig, as dataclasses.asdict
+    weights: str | None = None  # a meshspeed checkpoint to load after building (init_from one)
+    stages: list = field(default_factory=list)  # pipeline stages: rank, chunk, layers, embedding, head
+    bubble: float = 0.0  # idle fraction of the pipeline schedule (equal-cost actions)
+    peak_microbatches: list = field(default_factory=list)  # per pp rank: forwards awaiting backward
+    total_params: int = 0
+    ranks: list = field(default_factory=list)  # per rank: rank, coords, params, memory
+    warnings: list = field(default_factory=list)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.model)
+
+    def parallel_dims(self) -> ParallelDims:
+        return ParallelDims(**self.dims)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunPlan:
+        return cls(**d)
+
+
+# --- the layout ------------------------------------------------------------------------------
+
+
+def resolve_layout(cfg, world_size: int) -> tuple[ParallelDims, int]:
+    """(degrees, micro-batches per rank per step) for this world size, or one line saying what
+    to change."""
+    p, t = cfg.parallel, cfg.train
+    rest = p.tp * p.pp
+    if world_size % rest:
+        raise ConfigError(
+            f"parallel.tp={p.tp} × parallel.pp={p.pp} = {rest} does not divide the world size "
+            f"{world_size}; use --nproc {rest * max(1, world_size // rest)} or smaller degrees"
+        )
+    dp = p.dp or world_size // rest
+    if dp * rest != world_size:
+        raise ConfigError(
+            f"parallel.dp={p.dp} × tp={p.tp} × pp={p.pp} = {dp * rest} ranks, but the world size "
+            f"is {world_size}; set parallel.dp={world_size // rest} (or 0 for automatic)"
+        )
+    # the one rule for micro-batches per step (the loader applies the same function)
+    microbatches = accumulation_steps(t.global_batch_size, t.micro_batch_size, dp)
+    return ParallelDims(dp=dp, pp=p.pp, tp=p.tp), microbatches
+
+
+def _model(cfg):
+    """(ModelConfig, recipe, checkpoint to load weights from or None)."""
+    if cfg.model.init_from:
+        from meshspeed.train.hf_io import init_from
+
+        return init_from(cfg)
+    config = preset_config(cfg.model.preset, cfg.model.overrides(), cfg.train.seq_len)
+    return config, recipe_for(config), None
+
+
+def _check_model(cfg, config: ModelConfig, recipe) -> None:
+    p, t = cfg.parallel, cfg.train
+    check_tp(p.tp, recipe)
+    if p.sequence_parallel and p.tp > 1 and t.seq_len % p.tp:
+        good = (t.seq_len // p.tp + 1) * p.tp
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, which sequence "
+            f"parallelism needs; use train.seq_len={good} or parallel.sequence_parallel=false"
+        )
+    if cfg.checkpoint.export_hf:  # refused now, not after training
+        check_exportable(config, "checkpoint.export_hf=true: ")
+
+
+def _check_run_dir(cfg) -> None:
+    d = cfg.run.dir
+    if os.path.exists(d) and not os.path.isdir(d):
+        raise ConfigError(f"run.dir={d!r} is a file; give a directory (it is created if missing)")
+    parent = os.path.dirname(os.path.abspath(d))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"run.dir={d!r} is inside {parent!r}, which is a file; give a directory")
+
+
+def _check_data(cfg, config: ModelConfig) -> None:
+    from meshspeed.train.tokenizer import check_vocab, load_tokenizer
+
+    d = cfg.data
+    if d.path and not os.path.exists(d.path):
+        raise ConfigError(
+            f"data.path={d.path!r} does not exist; give a text file or directory, or a token file "
+            f"from `meshspeed data prepare` (empty = the Python standard library's sources)"
+        )
+    check_vocab(load_tokenizer(cfg.data.tokenizer), config.vocab_size)
+
+
+# --- per-rank parameter counts -----------------------------------------------------------------
+
+
+class _Member:
+    """What building a tensor-parallel module reads of its group: its rank and size."""
+
+    def __init__(self, name: str, rank: int, size: int):
+        self.name, self.rank, self.size = name, rank, size
+
+
+class _Shapes:
+    """A mesh of `_Member`s for one rank: enough to build pieces on the meta device."""
+
+    def __init__(self, dims: ParallelDims, rank: int):
+        self.dims, self.coords = dims, dims.coords(rank)
+
+    def __getitem__(self, dim: str) -> _Member:
+        size = {"edp": (self.dims.dp * self.dims.cp) // self.dims.ep}.get(dim) or getattr(self.dims, dim)
+        return _Member(dim, self.coords[dim], size)
+
+
+def _local_numel(p: torch.Tensor, coords: dict, dims: ParallelDims) -> int:
+    s = sharding_of(p)
+    if s is None:
+        return p.numel()
+    shape = list(s.full_shape)
+    for dim, placement in s.axes:
+        d = getattr(placement, "dim", None)
+        if d is not None:
+            size = getattr(dims, dim)
+            shape[d] = chunk_sizes(shape[d], size)[coords[dim]]
+    return math.prod(shape)
+
+
+def _owner(fqn: str, units) -> tuple[str, int | None]:
+    """('layer', index) | ('embedding', None) | ('head', None) | ('other', None)."""
+    prefix = units.layers + "."
+    if fqn.startswith(prefix):
+        return "layer", int(fqn[len(prefix) :].split(".")[0])
+    if units.embedding and fqn.startswith(units.embedding + "."):
+        return "embedding", None
+    if any(fqn.startswith(h + ".") for h in units.head):
+        return "head", None
+    return "other", None
+
+
+def rank_params(recipe, dims: ParallelDims, layouts, sequence_parallel: bool) -> tuple[int, list[int]]:
+    """(the model's parameters, those each rank holds: tied ones once per rank), from one meta
+    build."""
+    with torch.device("meta"):
+        model = recipe.build()
+    total = sum(p.numel() for p in model.parameters())
+    parallelize(model, _Shapes(dims, 0), recipe, sequence_parallel=sequence_parallel)
+    units = recipe.pipeline
+    params = list(model.named_parameters(remove_duplicate=False))
+    out = []
+    for rank in range(dims.world_size):
+        coords = dims.coords(rank)
+        mine = [s for s in layouts if s.rank == coords["pp"]] if layouts else None
+        layers = {i for s in mine for i in s.layers} if mine is not None else None
+        seen, n = set(), 0
+        for fqn, p in params:
+            if id(p) in seen:
+                continue
+            kind, index = _owner(fqn, units)
+            if mine is not None and (
+                (kind == "layer" and index not in layers)
+                or (kind == "embedding" and not any(s.embedding for s in mine))
+                or (kind == "head" and not any(s.head for s in mine))
+            ):
+                continue
+            seen.add(id(p))
+            n += _local_numel(p, coords, dims)
+        out.append(n)
+    return total, out
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def make_plan(cfg, world_size: int, *, ranks: bool = True) -> RunPlan:
+    """Resolve and check the whole run for `world_size` ranks. `ranks=False` skips the per-rank
+    table (a worker that was handed no plan needs only the layout and the model)."""
+    from meshspeed.train.pipeline import check as check_pipeline
+
+    config_mod.validate(cfg)
+    _check_run_dir(cfg)
+    dims, microbatches = resolve_layout(cfg, world_size)
+    config, recipe, weights = _model(cfg)
+    _check_model(cfg, config, recipe)
+    layouts, sim = check_pipeline(cfg, recipe, microbatches)
+    _check_data(cfg, config)
+    plan = RunPlan(
+        config=cfg.to_dict(),
+        world_size=world_size,
+        dims=dataclasses.asdict(dims),
+        microbatches=microbatches,
+        model=dataclasses.asdict(config),
+        weights=weights,
+        stages=[dataclasses.asdict(s) for s in layouts],
+        bubble=float(sim.bubble) if sim else 0.0,
+        peak_microbatches=list(sim.peak_activations) if sim else [],
+    )
+    p = cfg.parallel
+    if p.pp > 1 and microbatches < p.pp:
+        plan.warnings.append(
+            f"{microbatches} micro-batch(es) per step on {p.pp} pipeline stages: the pipeline idles "
+            f"{plan.bubble:.0%} of the step; raise train.global_batch_size to ≥ "
+            f"{p.pp * cfg.train.micro_batch_size * dims.dp} (≥ pp micro-batches)"
+        )
+    if ranks:
+        plan.total_params, counts = rank_params(
+            recipe, dims, layouts if p.pp > 1 else None, p.sequence_parallel
+        )
+        for rank, n in enumerate(counts):
+            coords = dims.coords(rank)
+            plan.ranks.append(
+                {
+                    "rank": rank,
+                    "coords": {k: coords[k] for k in ("pp", "dp", "cp", "tp", "ep")},
+                    "params": n,
+                    "memory": estimate_memory(cfg, config, dims, plan, coords, n),
+                }
+            )
+    return plan
+
+
+# --- printing ---------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def describe(plan: RunPlan) -> str:
+    """The plan as `meshspeed train --dry-run` prints it."""
+    c, d, m = plan.config, plan.dims, plan.model
+    t, p = c["train"], c["parallel"]
+    src = c["model"]["init_from"] or c["model"]["preset"]
+    lines = [
+        f"meshspeed train --dry-run: {src}, {plan.total_params:,} parameters, {plan.world_size} ranks",
+        f"  layout       pp {d['pp']} × dp {d['dp']} × cp {d['cp']} × tp {d['tp']} (ep {d['ep']}), "
+        f"zero {p['zero']}, sequence parallel {'on' if p['sequence_parallel'] else 'off'}, {t['dtype']}",
+        f"  model        {m['n_layers']} layers, dim {m['dim']}, heads {m['n_heads']}/{m['n_kv_heads']} kv, "
+        f"vocab {m['vocab_size']}"
+        + (f", {m['n_experts']} experts top {m['top_k']}" if m["n_experts"] else ""),
+        f"  batch        {t['global_batch_size']} sequences × {t['seq_len']} tokens per step; "
+        f"{plan.microbatches} micro-batch(es) of {t['micro_batch_size']} per rank",
+    ]
+    if d["pp"] > 1:
+        lines.append(
+            f"  pipeline     {p['pp_schedule']}, vpp {p['vpp']}, bubble {plan.bubble:.1%} of the step"
+        )
+        for s in plan.stages:
+            extra = "E " if s["embedding"] else ""
+            extra += f"layers {s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "no layers"
+            extra += " L" if s["head"] else ""
+            lines.append(f"    stage {s['stage']} (pp rank {s['rank']}, chunk {s['chunk']}): {extra}")
+    if plan.ranks:
+        lines.append(
+            "  per rank     params          memory estimate = params + grads + optimizer + activations"
+            " + buffers"
+        )
+        groups: dict = {}
+        for r in plan.ranks:  # ranks with the same figures on one line
+            key = (r["params"], r["memory"]["total"])
+            groups.setdefault(key, []).append(r["rank"])
+        for (n, total), members in groups.items():
+            mem = next(r["memory"] for r in plan.ranks if r["rank"] == members[0])
+            who = _ranges(members)
+            lines.append(
+                f"    ranks {who:<12} {n:>14,}  {_gib(total)} = {_gib(mem['params'])} + "
+                f"{_gib(mem['grads'])} + "
+                f"{_gib(mem['optimizer'])} + {_gib(mem['activations'])} + {_gib(mem['buffers'])}"
+            )
+    for w in plan.warnings:
+        lines.append(f"  warning      {w}")
+    return "\n".join(lines)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
