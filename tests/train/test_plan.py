@@ -202,3 +202,18 @@ def test_torchrun_bad_setting_is_one_line_from_one_rank(tmp_path):
     assert out.returncode != 0
     ours = [ln for ln in out.stderr.splitlines() if ln.startswith("meshspeed train:")]
     assert ours == ["meshspeed train: train.lr=inf is not a finite number; default 0.003"], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+def test_dry_run_of_a_hugging_face_directory_counts_its_parameters(family, tmp_path, capsys, no_workers):
+    """The plan's model is read from config.json; its parameter count is transformers' own."""
+    pytest.importorskip("transformers")
+    from tests.train.test_hf import make_hf
+
+    model = make_hf(family, str(tmp_path / "hf"), vocab_size=256)  # the byte tokenizer fits
+    args = ["--model.init_from", str(tmp_path / "hf"), "--nproc", "4", "--parallel.tp", "2"]
+    rc, out, err = _cli(SMALL + args + ["--run.dir", str(tmp_path / "r"), "--dry-run", "--json"], capsys)
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["total_params"] == model.num_parameters()
+    assert plan["model"]["vocab_size"] == model.config.vocab_size
