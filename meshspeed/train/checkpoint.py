@@ -1,4 +1,5 @@
-"""Checkpoints: atomic, resharding, resumable (directories in ckpt_dirs.py, safetensors export in export.py).
+"""Checkpoints: atomic, resharding, resumable (directories in ckpt_dirs.py, the tensor mapping in
+ckpt_tensors.py, safetensors export in export.py).
 
 A checkpoint is a directory `run_dir/step-000100/`:
 
@@ -41,10 +42,9 @@ import warnings
 import torch
 
 from meshspeed import comm
-from meshspeed.comm import ConfigError, placement
+from meshspeed.comm import ConfigError
 from meshspeed.comm import checkpoint_io as io
 from meshspeed.comm.errors import echo
-from meshspeed.comm.placement import Sharding
 from meshspeed.train import manifest
 from meshspeed.train.ckpt_dirs import (
     COMPLETE,
@@ -61,6 +61,14 @@ from meshspeed.train.ckpt_dirs import (
     shared_nonce,
     torch_save,
 )
+from meshspeed.train.ckpt_tensors import (
+    buffer_specs,
+    check_buffers,
+    check_params,
+    optimizer_buffers,
+    optimizer_tensors,
+    param_specs,
+)
 from meshspeed.train.safetensors_io import read_safetensors, write_safetensors
 
 FORMAT = "meshspeed-checkpoint/1"
@@ -75,87 +83,6 @@ __all__ = [
     "save_checkpoint",
     "write_safetensors",
 ]
-
-
-# -- what goes in ---------------------------------------------------------------------------
-def _param_specs(model, mesh) -> tuple[dict, dict[str, Sharding]]:
-    """This rank's parameters by FQN and the Sharding of each split one (comm.placement)."""
-    params = dict(model.named_parameters())
-    specs = {name: sh for name, p in params.items() if (sh := placement.sharding_of(p)) is not None}
-    return params, specs
-
-
-def _buffer_specs(model) -> tuple[dict, dict[str, Sharding]]:
-    """This rank's persistent buffers by FQN (sparsity masks, ...) and the Sharding of each
-    split one: a buffer laid out like a sharded parameter carries the same tag."""
-    buffers, specs = {}, {}
-    for mod_name, mod in model.named_modules():
-        for name, b in mod._buffers.items():
-            if b is None or name in mod._non_persistent_buffers_set:
-                continue
-            fqn = f"{mod_name}.{name}" if mod_name else name
-            buffers[fqn] = b
-            if (sh := placement.sharding_of(b)) is not None:
-                specs[fqn] = sh
-    return buffers, specs
-
-
-def _check_buffers(saved: dict, buffers: dict, specs: dict, path: str, strict: bool) -> dict:
-    """The buffers to load: those in the checkpoint (all of them when strict)."""
-    out = {}
-    for fqn, b in buffers.items():
-        key = f"model.{fqn}"
-        if key not in saved:
-            if strict:
-                raise CheckpointError(
-                    f"model buffer {fqn} is not in checkpoint {path}; it was saved from a model "
-                    f"without it (e.g. a dense run, where this one has sparsity masks); pass "
-                    f"strict=False to keep this model's values"
-                )
-            continue
-        want, have = _full_shape(b, specs.get(fqn)), list(saved[key][0])
-        if want != have:
-            raise CheckpointError(
-                f"buffer {fqn} has shape {have} in checkpoint {path} but {want} in the model; "
-                f"the model config differs from the one that saved it"
-            )
-        out[fqn] = b
-    return out
-
-
-def _full_shape(p, spec: Sharding | None) -> list[int]:
-    return list(spec.full_shape if spec is not None else p.shape)
-
-
-def _optimizer_tensors(per: dict, params: dict, specs: dict):
-    """Split contract-2 state into DCP tensors (+ specs) and the top-level scalars ("__step__").
-
-    A state tensor of a sharded parameter is sharded like it (contract 2: local shape); a
-    0-dim one is replicated."""
-    tensors, tspecs, scalars = {}, {}, {}
-    for fqn, value in per.items():
-        if not isinstance(value, dict):
-            scalars[fqn] = value  # the same on every rank
-            continue
-        if fqn not in params:
-            raise CheckpointError(f"optimizer state names {fqn!r}, which is not a parameter of the model")
-        p, spec = params[fqn], specs.get(fqn)
-        for name, v in value.items():
-            if not torch.is_tensor(v):
-                raise CheckpointError(
-                    f"optimizer state {fqn}.{name} is a {type(v).__name__}; per-parameter "
-                    f"state holds tensors (contract 2), scalars go at the top level"
-                )
-            if spec is not None and v.dim() > 0 and v.shape != p.shape:
-                raise CheckpointError(
-                    f"optimizer state {fqn}.{name} has shape {list(v.shape)} but the parameter's "
-                    f"local shard is {list(p.shape)}; contract 2 wants state in the local shape"
-                )
-            key = f"optim.{fqn}.{name}"
-            tensors[key] = v
-            if spec is not None and v.dim() > 0:
-                tspecs[key] = spec
-    return tensors, tspecs, scalars
 
 
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.dtype, torch.Size)
@@ -240,14 +167,14 @@ def save_checkpoint(
     }
     ctx = mesh.ctx
     lead = ctx.rank == 0
-    params, specs = _param_specs(model, mesh)
-    buffers, bspecs = _buffer_specs(model)
+    params, specs = param_specs(model, mesh)
+    buffers, bspecs = buffer_specs(model)
     tensors = {f"model.{k}": p for k, p in {**params, **buffers}.items()}
     tspecs = {f"model.{k}": s for k, s in {**specs, **bspecs}.items()}
     state["optimizer"] = None
     if optimizer is not None:
         per = optimizer.state_dict_per_param()  # collective over dp (ZeRO gathers)
-        t2, s2, scalars = _optimizer_tensors(per, params, specs)
+        t2, s2, scalars = optimizer_tensors(per, params, specs)
         state["optimizer"] = _plain(scalars, "optimizer scalars")
         tensors.update(t2)
         tspecs.update(s2)
@@ -324,61 +251,6 @@ def save_checkpoint(
 
 
 # -- load -----------------------------------------------------------------------------------
-def _check_params(
-    saved: dict, params: dict, specs: dict, path: str, strict: bool, pp: int, buffers: dict | None = None
-) -> None:
-    saved = {
-        k[len("model.") :]: v
-        for k, v in saved.items()
-        if k.startswith("model.") and k[6:] not in (buffers or {})
-    }
-    for fqn, p in params.items():
-        if fqn not in saved:
-            raise CheckpointError(
-                f"model parameter {fqn} is not in checkpoint {path} "
-                f"({len(saved)} parameters saved); was it saved from a different model?"
-            )
-        want, have = _full_shape(p, specs.get(fqn)), list(saved[fqn][0])
-        if want != have:
-            raise CheckpointError(
-                f"parameter {fqn} has shape {have} in checkpoint {path} but {want} in the model; "
-                f"the model config differs from the one that saved it"
-            )
-    if strict and pp == 1:  # a pipeline stage holds only some of the parameters
-        unused = [k for k in saved if k not in params]
-        if unused:
-            raise CheckpointError(
-                f"checkpoint {path} holds {len(unused)} parameter(s) the model lacks, e.g. "
-                f"{unused[0]}; pass strict=False to ignore them"
-            )
-
-
-def _optimizer_buffers(saved: dict, params: dict, specs: dict, path: str):
-    """Empty local buffers, in the current layout, for every saved optimizer tensor of our params.
-
-    A state tensor with the parameter's full shape was sharded like it (contract 2) and is
-    sharded like the parameter is now; any other (0-dim) is replicated."""
-    tensors, tspecs, where = {}, {}, {}
-    for fqn, p in params.items():
-        prefix = f"optim.{fqn}."
-        full = _full_shape(p, specs.get(fqn))
-        for key, (shape, dtype) in saved.items():
-            name = key[len(prefix) :]
-            if not key.startswith(prefix) or "." in name:  # "." : a longer FQN sharing the prefix
-                continue
-            sharded = list(shape) == full and len(full) > 0
-            if not sharded and len(shape) > 0:
-                raise CheckpointError(
-                    f"optimizer state {fqn}.{name} has shape {list(shape)} in checkpoint {path} "
-                    f"but the parameter is {full}"
-                )
-            where[key] = (fqn, name)
-            tensors[key] = torch.empty(p.shape if sharded else shape, dtype=dtype, device=p.device)
-            if sharded and fqn in specs:
-                tspecs[key] = specs[fqn]
-    return tensors, tspecs, where
-
-
 def _load_plain(path: str):
     """torch.load of plain data only (weights_only): a pickle that names code is refused, never run."""
     try:
@@ -428,14 +300,14 @@ def load_checkpoint(
             f"is the run directory on a filesystem every rank sees?"
         )
 
-    params, specs = _param_specs(model, mesh)
-    buffers, bspecs = _buffer_specs(model)
+    params, specs = param_specs(model, mesh)
+    buffers, bspecs = buffer_specs(model)
     tensors = {f"model.{k}": p.detach() for k, p in params.items()}
     tspecs = {f"model.{k}": s for k, s in specs.items()}
     try:
         saved = io.saved_tensors(resolved)
-        _check_params(saved, params, specs, resolved, strict, mesh.dims.pp, buffers)
-        for fqn, b in _check_buffers(saved, buffers, bspecs, resolved, strict).items():
+        check_params(saved, params, specs, resolved, strict, mesh.dims.pp, buffers)
+        for fqn, b in check_buffers(saved, buffers, bspecs, resolved, strict).items():
             tensors[f"model.{fqn}"] = b
             if fqn in bspecs:
                 tspecs[f"model.{fqn}"] = bspecs[fqn]
@@ -444,7 +316,7 @@ def load_checkpoint(
                 raise CheckpointError(
                     f"checkpoint {resolved} has no optimizer state; pass optimizer=None to load weights only"
                 )
-            buffers, bspecs, where = _optimizer_buffers(saved, params, specs, resolved)
+            buffers, bspecs, where = optimizer_buffers(saved, params, specs, resolved)
             tensors.update(buffers)
             tspecs.update(bspecs)
         state = _load_plain(os.path.join(resolved, STATE))
