@@ -1,12 +1,16 @@
-"""Accuracy evidence for dynamic sparse training: the tiny preset on the default corpus, trained
-dense and sparse with the same seed, steps, data and learning-rate schedule, through `meshspeed
-train` (spawned workers), then a table of final validation loss and speed.
+"""Accuracy evidence for dynamic sparse training: a preset (default `small`) on the embedded
+corpus, trained dense and sparse for one fixed token budget (same seed, steps, data and
+learning-rate schedule) through `meshspeed train`, then a table of final validation loss against
+dense, with the tokens and steps used, and speed.
 
-  dense          no masks
-  2:4 static     one-shot magnitude 2:4 mask at the start, never updated
-  2:4 dynamic    2:4 masks recomputed from |W| every --update-interval steps, SR-STE decay
-  RigL 50%       unstructured, 50% sparse, drop-and-grow every --update-interval steps
-  RigL 80%       the same at 80%
+  dense                no masks
+  nm-static            2:4 from init: one-shot magnitude mask at the start, never updated
+  nm-dynamic           2:4, SR-STE, masks recomputed from |W| every --update-interval steps
+  nm-cosine            2:4 dynamic under the cosine schedule: the sparse fraction of layers ramps
+                       0 -> 100% over the first half of training
+  nm-cosine-finish     the same, then the last --finish steps dense again
+  elastic              1:4 for the first half, then 2:4 (masks re-derived, growth by |grad|)
+  rigl50, rigl80       unstructured RigL at 50% / 80% (not in the default set)
 
 Sparsity covers the attention and MLP projections (the default `sparsity.layers`); embeddings,
 norms and the output layer stay dense, so "sparsity" is of those projections (86% of the
@@ -14,7 +18,7 @@ tiny model's parameters). On a CPU the sparse runs take the dense-masked path (n
 so their speed shows the mask overhead, not a speed-up; benchmarks/sparse_linear.py times the
 kernels on CUDA.
 
-    python benchmarks/sparse_accuracy.py [--steps 200] [--nproc 2] [--runs dense,rigl50]
+    python benchmarks/sparse_accuracy.py [--preset small] [--steps 120] [--nproc 1] [--runs dense,elastic]
 """
 
 from __future__ import annotations
@@ -53,6 +57,47 @@ RUNS = {
             "{interval}",
         ],
     ),
+    "nm-cosine": (
+        "2:4 dynamic, cosine schedule",
+        [
+            "--sparsity.pattern",
+            "2:4",
+            "--sparsity.method",
+            "sr-ste",
+            "--sparsity.schedule",
+            "cosine",
+            "--sparsity.update_interval",
+            "{interval}",
+        ],
+    ),
+    "nm-cosine-finish": (
+        "2:4 dynamic, cosine, dense finish",
+        [
+            "--sparsity.pattern",
+            "2:4",
+            "--sparsity.method",
+            "sr-ste",
+            "--sparsity.schedule",
+            "cosine",
+            "--sparsity.update_interval",
+            "{interval}",
+            "--sparsity.dense_finish_steps",
+            "{finish}",
+        ],
+    ),
+    "elastic": (
+        "elastic 1:4 -> 2:4 at half",
+        [
+            "--sparsity.pattern",
+            "1:4",
+            "--sparsity.pattern_schedule",
+            "0:1:4,{half}:2:4",
+            "--sparsity.method",
+            "sr-ste",
+            "--sparsity.update_interval",
+            "{interval}",
+        ],
+    ),
     "rigl50": (
         "unstructured RigL 50%",
         [
@@ -84,7 +129,8 @@ RUNS = {
 
 def run_one(key: str, args, out_dir: str) -> dict:
     label, extra = RUNS[key]
-    extra = [a.format(never=args.steps + 1, interval=args.update_interval) for a in extra]
+    fill = dict(never=args.steps + 1, interval=args.update_interval, finish=args.finish, half=args.steps // 2)
+    extra = [a.format(**fill) for a in extra]
     run_dir = os.path.join(out_dir, key)
     cmd = [
         sys.executable,
@@ -96,7 +142,15 @@ def run_one(key: str, args, out_dir: str) -> dict:
         "--parallel.tp",
         "1",
         "--model.preset",
-        "tiny",
+        args.preset,
+        "--train.global_batch_size",
+        str(args.batch),
+        "--train.micro_batch_size",
+        str(args.batch // args.nproc),
+        "--train.seq_len",
+        str(args.seq_len),
+        "--train.eval_batches",
+        str(args.eval_batches),
         "--train.steps",
         str(args.steps),
         "--train.seed",
@@ -118,7 +172,7 @@ def run_one(key: str, args, out_dir: str) -> dict:
         raise SystemExit(f"{key} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    tokens = 16 * 128  # the tiny preset's global batch x sequence length (trainer defaults)
+    tokens = args.batch * args.seq_len
     steady = [r["tokens_per_s"] for r in rows[3:]]  # the first steps pay for warm-up
     return {
         "key": key,
@@ -130,13 +184,26 @@ def run_one(key: str, args, out_dir: str) -> dict:
         "tokens_per_s": sum(steady) / len(steady),
         "train_s": sum(tokens / r["tokens_per_s"] for r in rows),
         "wall_s": wall,
+        "tokens": tokens * len(rows),
+        "steps": len(rows),
         "load": os.getloadavg()[0],
     }
 
 
 def table(results: list[dict]) -> str:
     dense = next((r for r in results if r["key"] == "dense"), None)
-    headers = ["run", "sparsity", "val loss", "vs dense", "tokens/s", "train s", "wall s", "load"]
+    headers = [
+        "run",
+        "sparsity",
+        "val loss",
+        "vs dense",
+        "tokens",
+        "steps",
+        "tokens/s",
+        "train s",
+        "wall s",
+        "load",
+    ]
     cells = []
     for r in results:
         delta = f"{r['val_loss'] - dense['val_loss']:+.4f}" if dense else "-"
@@ -146,6 +213,8 @@ def table(results: list[dict]) -> str:
                 f"{r['sparsity']:.3f}",
                 f"{r['val_loss']:.4f}",
                 delta,
+                f"{r['tokens']:,}",
+                str(r["steps"]),
                 f"{r['tokens_per_s']:,.0f}",
                 f"{r['train_s']:.1f}",
                 f"{r['wall_s']:.1f}",
@@ -160,11 +229,17 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200, help="training steps of every run (default 200)")
-    p.add_argument("--nproc", type=int, default=2, help="worker processes, data parallel (default 2)")
+    p.add_argument("--preset", default="small", help="model preset (default small)")
+    p.add_argument("--steps", type=int, default=120, help="training steps of every run (default 120)")
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches (default 8)")
+    p.add_argument("--finish", type=int, default=20, help="dense-finish steps of nm-cosine-finish")
+    p.add_argument("--nproc", type=int, default=1, help="worker processes, data parallel (default 1)")
     p.add_argument("--update-interval", type=int, default=10, help="mask update interval of the dynamic runs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    default = "dense,nm-static,nm-dynamic,nm-cosine,nm-cosine-finish,elastic"
+    p.add_argument("--runs", default=default, help=f"comma-separated subset of {', '.join(RUNS)}")
     p.add_argument("--out", default=None, help="run directory root (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
@@ -173,7 +248,9 @@ def main() -> int:
     if bad:
         p.error(f"unknown run(s) {', '.join(bad)}; choose from {', '.join(RUNS)}")
     print(
-        f"tiny preset, default corpus, {args.steps} steps, global batch 16 x 128 tokens, seed {args.seed}, "
+        f"{args.preset} preset, embedded corpus, {args.steps} steps, "
+        f"global batch {args.batch} x {args.seq_len} tokens "
+        f"({args.steps * args.batch * args.seq_len:,} tokens), seed {args.seed}, "
         f"{args.nproc} worker(s) (dp {args.nproc}), {os.cpu_count()} CPU core(s); dynamic masks every "
         f"{args.update_interval} steps",
         flush=True,

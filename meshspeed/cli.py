@@ -16,6 +16,8 @@ SUBCOMMANDS = [
     "meshspeed.commands.bench",
     "meshspeed.commands.convert",
     "meshspeed.commands.data",
+    "meshspeed.commands.eval",
+    "meshspeed.commands.generate",
     "meshspeed.commands.pipeline",
     "meshspeed.commands.train",
 ]

@@ -1,26 +1,32 @@
-"""`meshspeed data prepare`: tokenize text into a token file for `--data.format uint32`."""
+"""`meshspeed data prepare`: tokenize text into a token file for `--data.format uint16/uint32`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+# corpus.DEFAULT_VAL_FRACTION, written out: importing it (and torch) would slow every --help
+DEFAULT_VAL_FRACTION = 0.02
+
 DESCRIPTION = """\
 Tokenize text into a flat little-endian token file that `meshspeed train` memory-maps
-(--data.path FILE --data.format uint32), and write FILE.json beside it (tokenizer, vocab_size,
-eot, format, count). The text is read as the trainer reads a text corpus: each non-hidden file,
-binary files (holding a NUL byte) skipped, each file one document followed by the tokenizer's
-end-of-document token (NUL for the byte tokenizer). The tokens equal what the trainer would
-make of the same text with the same --data.tokenizer; a token file is tokenized once, not at
-every start and on every rank."""
+(--data.path FILE --data.format uint16|uint32), and write FILE.json beside it (tokenizer,
+vocab_size, eot, format, documents, count, largest id, validation split), which training reads to
+check its settings. Inputs are text files, directories of them (non-hidden files; binary ones,
+holding a NUL byte, skipped) and JSON-lines files (.jsonl/.ndjson, one document per record).
+Each document is followed by the tokenizer's end-of-document token (NUL for the byte tokenizer);
+for the same text and --data.tokenizer the tokens equal what the trainer makes of it. Worker
+processes tokenize in parallel; the file is the same byte for byte whatever --workers is."""
 
 EXAMPLES = """examples:
-  meshspeed data prepare --out data/tokens.bin --format uint32        # the stdlib sources, 8 MB
-  meshspeed data prepare --out data/tokens.bin --format uint32 --max-mb 0   # all of them
-  meshspeed data prepare --out data/mine.bin --format uint32 --input ~/texts/
-  meshspeed data prepare --out data/qwen.bin --format uint32 --input ~/texts/ --tokenizer ~/Qwen2-7B/
-  torchrun --nproc-per-node 8 -m meshspeed train --config configs/llama3-8b.toml   # reads data/tokens.bin
+  meshspeed data prepare --out data/tokens.bin                  # the stdlib sources, 8 MB, uint16
+  meshspeed data prepare --out data/mine.bin --input ~/texts/ --input ~/more.jsonl --workers 8
+  meshspeed data prepare --out data/tokens.bin --input ~/corpus/ --tokenizer ~/Meta-Llama-3-8B/   # uint32
+  torchrun --nproc-per-node 8 -m meshspeed train --config configs/llama3-8b.toml \\
+      --data.tokenizer ~/Meta-Llama-3-8B/                          # reads data/tokens.bin
 """
+
+PROGRESS_MIN_BYTES = 32 * 2**20  # inputs at least this large get a progress line on stderr
 
 
 def register(sub) -> None:
@@ -42,16 +48,24 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--format",
-        default="uint32",
-        metavar="{uint32,uint16}",
-        help="token width (default uint32, what configs/llama3-8b.toml reads)",
+        default="auto",
+        metavar="{auto,uint16,uint32}",
+        help="token width (default auto: uint16 when the tokenizer's vocabulary fits in 65,536 ids, "
+        "else uint32); a width too narrow for the vocabulary is refused",
     )
     p.add_argument(
         "--input",
-        default="",
-        metavar="PATH_OR_DIR",
-        help="a text file or a directory of text "
-        "files (default: the Python standard library's .py sources, the trainer's default corpus)",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a text file, a directory of text files, or a JSON-lines file (.jsonl/.ndjson); repeat "
+        "for several (default: the Python standard library's .py sources, the trainer's default corpus)",
+    )
+    p.add_argument(
+        "--text-key",
+        default="text",
+        metavar="KEY",
+        help="the field of each JSON-lines record that holds its text (default: text)",
     )
     p.add_argument(
         "--tokenizer",
@@ -65,27 +79,77 @@ def register(sub) -> None:
         "--max-mb",
         default=None,
         metavar="N",
-        help="read at most N MB (10^6 bytes) of text; "
+        help="read at most N MB (10^6 bytes) of text per input; "
         "0 = no cap (default: 8 for the standard library, as the trainer; no cap for --input)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        default=DEFAULT_VAL_FRACTION,
+        metavar="F",
+        help=f"fraction of documents (whole documents, the last ones of the file) that training "
+        f"validates on (default {DEFAULT_VAL_FRACTION}; 0 = training uses the file's last "
+        f"{DEFAULT_VAL_FRACTION} of tokens)",
+    )
+    p.add_argument(
+        "--workers",
+        default=None,
+        metavar="N",
+        help="processes tokenizing in parallel (default: min(CPU count, files and JSON-lines slices))",
     )
     p.set_defaults(func=run_prepare)
     parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])
+
+
+class _Progress:
+    """`\r`-updated line on stderr for large inputs, rewritten at most once per percent."""
+
+    def __init__(self):
+        self.shown = -1
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        pct = 100 * done // max(total, 1)
+        if total < PROGRESS_MIN_BYTES or pct == self.shown:
+            return
+        self.shown = pct
+        line = f"\r{pct:3d}%  {done / 2**20:,.0f}/{total / 2**20:,.0f} MiB read, {tokens:,} tokens"
+        print(line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
 
 
 def run_prepare(args) -> int:
     from meshspeed.train.prepare import DataError, prepare_tokens, sidecar_path
 
     try:
-        meta = prepare_tokens(args.out, args.format, args.input, args.max_mb, args.tokenizer)
+        workers = args.workers
+        if workers is not None:
+            try:
+                workers = int(workers)
+            except ValueError:
+                raise DataError(f"--workers={workers!r} must be a positive integer, e.g. 4") from None
+        meta = prepare_tokens(
+            args.out,
+            args.format,
+            args.input,
+            args.max_mb,
+            args.tokenizer,
+            text_key=args.text_key,
+            workers=workers,
+            val_fraction=args.val_fraction,
+            progress=_Progress(),
+        )
     except DataError as err:
         print(f"meshspeed data prepare: {err}", file=sys.stderr)
         return 2
+    val = meta["validation"]
     print(
-        f"wrote {args.out}: {meta['count']:,} {meta['format']} tokens ({meta['tokenizer']} tokenizer, "
-        f"vocabulary {meta['vocab_size']}) from {meta['files']} files of {meta['source']}"
+        f"wrote {args.out}: {meta['count']:,} {meta['format']} tokens in {meta['documents']:,} documents "
+        f"({meta['tokenizer']} tokenizer, vocabulary {meta['vocab_size']}, largest id {meta['max_id']}) "
+        f"from {meta['files']} files of {meta['source']}"
         + (f", {meta['skipped_binary']} binary files skipped" if meta["skipped_binary"] else "")
     )
-    print(f"      {sidecar_path(args.out)}")
+    print(
+        f"      {sidecar_path(args.out)}: validation = the last {val['documents']:,} documents "
+        f"({val['tokens']:,} tokens)"
+    )
     tok = "" if meta["tokenizer"] == "bytes" else f" --data.tokenizer {meta['tokenizer']}"
     print(f"train on it with: --data.path {args.out} --data.format {meta['format']}{tok}")
     return 0

@@ -1,10 +1,15 @@
-"""Building blocks shared by the dense and MoE models: RMSNorm, rotary embeddings, SwiGLU."""
+"""Building blocks shared by the dense and MoE models: RMSNorm, rotary embeddings, SwiGLU.
+
+RMSNorm and FeedForward compute through meshspeed.kernels: the torch reference by default, the
+fused Triton kernels once `set_fused_kernels(model)` switched them (train.fused_kernels).
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from meshspeed.kernels.fused import rms_norm_fused, rms_norm_ref, swiglu_fused, swiglu_ref
 
 
 class RMSNorm(nn.Module):
@@ -14,11 +19,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # set_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return (rms_norm_fused if self.fused else rms_norm_ref)(x, self.weight, self.eps)
 
 
 def precompute_rope(
@@ -61,6 +65,17 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.fused = False  # set_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2((swiglu_fused if self.fused else swiglu_ref)(self.w1(x), self.w3(x)))
+
+
+def set_fused_kernels(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every RMSNorm and FeedForward of `model` (tensor-parallel or not: the kernels are
+    per token / per element) to the fused Triton kernels or back. Returns the modules switched."""
+    mods = [m for m in model.modules() if isinstance(m, (RMSNorm, FeedForward))]
+    mods += [m.inner for m in model.modules() if isinstance(getattr(m, "inner", None), RMSNorm)]
+    for m in mods:
+        m.fused = enabled
+    return len(mods)

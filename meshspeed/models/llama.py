@@ -65,6 +65,39 @@ def rope_tables(
     return angles.cos(), angles.sin()
 
 
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] document ids -> [batch, 1, seq, seq] bool: causal and inside one document.
+
+    The diagonal is always allowed, so no row is fully masked (SDPA would return NaN)."""
+    seq = doc_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] document ids (non-decreasing along seq) -> RoPE positions restarting at 0
+    at every document start."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+def attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Single-device causal attention: q [batch, seq, heads, hd], k/v [batch, seq, kv_heads, hd]
+    -> [batch, seq, heads, hd]; with doc_ids, attention also stays inside each document."""
+    n_rep = q.shape[2] // k.shape[2]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    mask = None if doc_ids is None else document_mask(doc_ids)
+    out = F.scaled_dot_product_attention(  # [batch, heads, seq, head_dim]
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
+    )
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention through scaled_dot_product_attention."""
 
@@ -75,8 +108,14 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(config.dim, config.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        # The attention core is swappable data, not code: context parallelism replaces it
+        # (meshspeed.parallel.context) without this file importing parallel.
+        self.core = attention_core
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """doc_ids: optional [batch, seq] document index of each token (packed sequences)."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # Shapes from the projections, not from x: under sequence parallelism x holds seq/tp rows
         # and the (tensor-parallel) projections gather the full sequence.
@@ -85,12 +124,8 @@ class Attention(nn.Module):
         k = k.view(b, s, -1, self.head_dim)  # [batch, seq, kv_heads, head_dim]
         v = v.view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n_rep = q.shape[2] // k.shape[2]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        out = F.scaled_dot_product_attention(  # [batch, heads, seq, head_dim]
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        out = self.core(q, k, v, doc_ids)  # [batch, seq, heads, head_dim]
+        return self.wo(out.reshape(b, s, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -108,8 +143,10 @@ class TransformerBlock(nn.Module):
         # Same attribute name for dense and MoE so norm/residual FQN patterns do not fork.
         self.feed_forward = MoE(config) if self.moe_enabled else FeedForward(config.dim, config.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -149,12 +186,17 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.config, device=device)
         self.rope_cos, self.rope_sin = cos, sin
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens: [batch, seq] ids, or [batch, seq, dim] hidden states when tok_embeddings is None.
 
         positions: optional RoPE positions, [seq] or [batch, seq] (context parallelism feeds
-        non-contiguous ones); default 0..seq-1.
+        non-contiguous ones); default 0..seq-1, or restarting at each document with doc_ids.
+        doc_ids: optional [batch, seq] document ids of packed sequences (attention per document).
         """
+        if positions is None and doc_ids is not None:
+            positions = document_positions(doc_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             # The input's length, not h's: sequence parallelism leaves h with seq/tp rows after
@@ -171,7 +213,7 @@ class Transformer(nn.Module):
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if doc_ids is None else layer(h, cos, sin, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -214,7 +214,9 @@ class DataParallel:
         self._marked: set[str] = set()
         self._next = 0  # next bucket to launch
         self._dirty = False  # gradients accumulated since the last reduction
-        self.stats = {"launched_in_backward": 0, "launched_in_finish": 0, "syncs": 0}
+        # grad_comm_bytes: gradient bytes handed to dp collectives (payload, not per-algorithm wire bytes)
+        self.stats = {"launched_in_backward": 0, "launched_in_finish": 0, "syncs": 0, "grad_comm_bytes": 0}
+        self.grad_comm = None  # meshspeed.parallel.sparse_comm.SparseGradComm: packs masked gradients
         self._norm_plan: list[tuple[int, int, int, bool]] | None = None
         self.events: list[tuple[str, object]] | None = None  # set to [] to log ("grad", name) / ("launch", i)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
@@ -317,6 +319,11 @@ class DataParallel:
             self.events.append(("launch", i))
         if self.group.size == 1:
             return
+        if self.grad_comm is not None:
+            b.handle = self.grad_comm.launch(i, b)  # None: this bucket goes dense
+            if b.handle is not None:
+                return
+        self.stats["grad_comm_bytes"] += b.grad.numel() * b.grad.element_size()
         if self.zero == 2:
             b.handle = comm.reduce_scatter(b.grad, self.group, "avg", out=b.grad_shard, async_op=True)
         else:
@@ -357,6 +364,10 @@ class DataParallel:
                 b.data[lo:hi].copy_(master)
             return None
         src = master if master.dtype == b.data.dtype else master.to(b.data.dtype)
+        prefetch = getattr(self, "prefetch", None)  # zero_prefetch.py: gathered during the next forward
+        if prefetch is not None:
+            # the next step updates the master in place, maybe before this gather has landed
+            return prefetch.publish(i, master.clone() if src is master else src)
         return comm.all_gather(src, self.group, out=b.data, async_op=True)
 
     @torch.no_grad()

@@ -32,6 +32,7 @@ from meshspeed.comm.recipe import Recipe, Style, tie
 from meshspeed.kernels.loss import cross_entropy_loss
 from meshspeed.parallel.tensor_comm import gather_chunks_ad, vocab_parallel_cross_entropy
 from meshspeed.parallel.tensor_plan import TensorPlan
+from meshspeed.parallel.tp_overlap import column_sp, row_sp
 
 __all__ = [
     "STYLES",
@@ -44,6 +45,7 @@ __all__ = [
     "loss_fn",
     "model_loss",
     "parallelize",
+    "set_tp_overlap",
     "tp_plan",
     "vocab_parallel_cross_entropy",
 ]
@@ -85,8 +87,13 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.full_out_features = linear.in_features, linear.out_features
         self.weight = _shard(linear.weight, 0, group)
         self.bias = _shard(linear.bias, 0, group) if linear.bias is not None else None
+        self.tp_overlap, self.tp_overlap_chunks = False, None  # set_tp_overlap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.tp_overlap:
+            y = column_sp(x, self.weight, self.group, self.tp_overlap_chunks)  # [batch, seq, out/tp]
+            y = y if self.bias is None else y + self.bias
+            return gather_chunks_ad(y, self.group, -1, self.full_out_features) if self.gather_output else y
         x = comm.gather_sp(x, self.group, 1) if self.sequence_parallel else comm.copy_to(x, self.group)
         y = F.linear(x, self.weight, self.bias)  # [batch, seq, out/tp]
         return gather_chunks_ad(y, self.group, -1, self.full_out_features) if self.gather_output else y
@@ -113,14 +120,17 @@ class RowParallelLinear(nn.Module):
         self.weight = _shard(linear.weight, 1, group)
         # Replicated, added after the reduction so it counts once.
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.tp_overlap, self.tp_overlap_chunks = False, None  # set_tp_overlap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # partial sums [batch, seq, out]
         if self.sequence_parallel:
-            y = comm.reduce_scatter_sp(y, self.group, 1)
+            if self.tp_overlap:
+                y = row_sp(x, self.weight, self.group, self.tp_overlap_chunks)  # [batch, seq/tp, out]
+            else:
+                y = comm.reduce_scatter_sp(F.linear(x, self.weight), self.group, 1)
             # Each rank sees only its tokens: sum the bias gradient over tp (copy_to backward).
             return y if self.bias is None else y + comm.copy_to(self.bias, self.group)
-        y = comm.reduce_from(y, self.group)
+        y = comm.reduce_from(F.linear(x, self.weight), self.group)  # partial sums summed
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -250,13 +260,16 @@ def parallelize(
     *,
     sequence_parallel: bool = False,
     plan: TensorPlan | dict | list | None = None,
+    tp_overlap: bool = False,
+    tp_overlap_chunks: int | None = None,
 ) -> nn.Module:
     """Make a single-device model (or a pipeline stage of one) tensor parallel, in place.
 
     mesh: a comm.Mesh (its "tp" group is used) or the tp Group itself. plan: the recipe's
     unless given. The model may still be on the meta device (then only shapes and tags are
     made; materialize.py fills the pieces) or hold initialised weights (sliced). A no-op when
-    tp == 1. Returns the model; `model.tp_plan` keeps the plan applied.
+    tp == 1. Returns the model; `model.tp_plan` keeps the plan applied. tp_overlap: see
+    set_tp_overlap (sequence parallelism only).
     """
     group = _tp_group(mesh)
     if group.size == 1:
@@ -273,7 +286,27 @@ def parallelize(
         setattr(model.get_submodule(parent) if parent else model, name, new)
     tie(model, recipe)  # both sides of a tie are split alike (the vocabulary): share the piece
     model.tp_plan = plan
+    if tp_overlap:
+        set_tp_overlap(model, True, tp_overlap_chunks)
     return model
+
+
+def set_tp_overlap(model: nn.Module, enabled: bool = True, chunks: int | None = None) -> int:
+    """Overlap the sequence-parallel all-gathers / reduce-scatters of every column- and
+    row-parallel linear in `model` with their matmuls (tp_overlap.py), or turn it off.
+    chunks: K pieces per rank's sequence block; None picks K per layer from the cost model.
+    Has no effect on layers without sequence parallelism. Returns the layers switched."""
+    if chunks is not None and chunks < 1:
+        raise comm.ConfigError(
+            f"parallel.tp_overlap_chunks={chunks} must be at least 1; leave it unset to let the "
+            "cost model choose"
+        )
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:
+            m.tp_overlap, m.tp_overlap_chunks = enabled, chunks
+            n += 1
+    return n
 
 
 # --- loss ----------------------------------------------------------------------------------

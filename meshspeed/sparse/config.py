@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PATTERNS_HELP = "'2:4', 'unstructured' or any 'N:M' with 0 < N < M (e.g. '1:4', '4:8')"
 SCHEDULES = ("constant", "cosine", "cubic")
@@ -104,8 +104,17 @@ class SparsityConfig:
     seed: int = 0
     """Seed of SET's random growth."""
 
+    pattern_schedule: str = ""
+    """Elastic N:M: 'step:N:M,...' (e.g. '0:1:4,200:2:4'), steps increasing, the first 0 with
+    `pattern`. At each step the pattern changes and the masks are re-derived (phase_config gives
+    the config in force). The target follows each pattern (1 - N/M) unless set, then it must fit
+    every pattern. '' keeps `pattern` for the whole run."""
+
     def __post_init__(self) -> None:
         nm = parse_pattern(self.pattern)
+        self.target_auto = self.target is None
+        if self.pattern_schedule:
+            self._check_pattern_schedule()
         if self.target is None:
             self.target = 1.0 - nm[0] / nm[1] if nm else 0.9
         if not 0.0 <= self.target < 1.0:
@@ -158,6 +167,47 @@ class SparsityConfig:
             raise _bad("drop_fraction", self.drop_fraction, "a fraction in [0, 1)")
         if not self.layers:
             raise _bad("layers", self.layers, "a glob such as '*' or 're:<regex>'")
+
+    @property
+    def pattern_steps(self) -> list[tuple[int, str]]:
+        """[(step, 'N:M'), ...] of the pattern schedule; [(0, pattern)] without one."""
+        if not self.pattern_schedule:
+            return [(0, self.pattern)]
+        out = []
+        for item in self.pattern_schedule.split(","):
+            step, _, pattern = item.strip().partition(":")
+            out.append((int(step), pattern.replace(" ", "")))
+        return out
+
+    def pattern_at(self, step: int) -> str:
+        """The pattern in force at `step` (after the changes at steps <= step)."""
+        return [p for s, p in self.pattern_steps if s <= step][-1]
+
+    def phase_config(self, pattern: str) -> SparsityConfig:
+        """This config with `pattern` in force (the target follows the pattern unless it was set)."""
+        return replace(
+            self, pattern=pattern, pattern_schedule="", target=None if self.target_auto else self.target
+        )
+
+    def _check_pattern_schedule(self) -> None:
+        want = "'step:N:M,...' with steps increasing from 0 and 0 < N < M, e.g. '0:1:4,200:2:4'"
+        try:
+            steps = self.pattern_steps
+            nms = [parse_pattern(p) for _, p in steps]
+        except ValueError:
+            raise _bad("pattern_schedule", self.pattern_schedule, want) from None
+        if steps[0][0] != 0 or any(b <= a for (a, _), (b, _) in zip(steps, steps[1:])):
+            raise _bad("pattern_schedule", self.pattern_schedule, want)
+        if None in nms or parse_pattern(steps[0][1]) != parse_pattern(self.pattern):
+            raise _bad(
+                "pattern_schedule",
+                self.pattern_schedule,
+                f"N:M patterns only, the first one (step 0) equal to sparsity.pattern={self.pattern!r}",
+            )
+        if self.target is not None:
+            most = min(1 - n / m for n, m in nms)
+            if self.target > most + 1e-9:
+                raise _bad("target", self.target, f"<= {most:g} for every pattern of the schedule, or unset")
 
     @property
     def nm(self) -> tuple[int, int] | None:

@@ -9,6 +9,10 @@ each layer its share (parameter-weighted mean = global), and the method moves th
 magnitude/sr-ste re-select top-|W|; rigl/set drop small |W| and grow by |grad| / at random.
 N:M: a layer is either dense or N:M, so the schedule sets WHICH layers are sparse (their parameter
 fraction follows global / (1 - N/M)) and ramps the SR-STE decay; masks are recomputed from |W|.
+Elastic N:M (config.pattern_schedule): at a change step every target takes the new pattern and its
+mask is re-derived from the current |W|; when the pattern keeps more (1:4 -> 2:4) the weights kept
+so far stay and the extra ones are grown by |grad| as RigL grows, starting from zero (weight and
+optimizer state), so they enter the forward without a jump.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from torch import nn
 
 from meshspeed.sparse.budget import adapter_ratios, erk_sparsities, layer_score, solve_budget
-from meshspeed.sparse.config import SparsityConfig
+from meshspeed.sparse.config import SparsityConfig, parse_pattern
 from meshspeed.sparse.convert import mask_for, targets
 from meshspeed.sparse.masks import flip_count
 from meshspeed.sparse.rigl import drop_grow_grouped, reset_regrown
@@ -57,7 +61,9 @@ class MaskController:
     ) -> None:
         """`target_list`: (name, target) pairs to drive instead of `targets(model)`, e.g. views of
         tensor-parallel shards as full weights (meshspeed.train.sparsity); same surface as a target."""
-        self.model, self.optimizer, self.config = model, optimizer, config
+        self.model, self.optimizer, self.base_config = model, optimizer, config
+        # the config in force: the base one, or its phase under the pattern schedule's first pattern
+        self.config = config = config.phase_config(config.pattern) if config.pattern_schedule else config
         self.schedule = SparsitySchedule.from_config(config)
         self.targets = list(target_list) if target_list is not None else targets(model)
         if not self.targets:
@@ -85,18 +91,54 @@ class MaskController:
         self.update(0, regrow=False)
 
     # ---- when -------------------------------------------------------------------------------
-    def should_update(self, step: int) -> bool:
-        if self.last_update is not None and step <= self.last_update:
+    def should_update(self, step: int, last_update: int | None | str = "current") -> bool:
+        """`last_update`: decide as if the last update had been at that step (e.g. one running
+        in the background that has not set self.last_update yet)."""
+        last = self.last_update if last_update == "current" else last_update
+        if last is not None and step <= last:
             return False
         dense_now = self.schedule(step) == 0
-        dense_before = self.schedule(self.last_update or 0) == 0
-        return step % self.config.update_interval == 0 or dense_now != dense_before
+        dense_before = self.schedule(last or 0) == 0
+        due = step % self.config.update_interval == 0 or dense_now != dense_before
+        return due or self.pattern_due(step)
+
+    def pattern_due(self, step: int) -> bool:
+        """True when the pattern schedule names another pattern for `step` than the one in force."""
+        if not self.base_config.pattern_schedule:
+            return False
+        return parse_pattern(self.base_config.pattern_at(step)) != self.config.nm
 
     def step(self, step: int) -> UpdateRecord | None:
         """Update masks if this step is an update step; returns the record (with flip rates) or None."""
         if not self.should_update(step):
             return None
+        if self.pattern_due(step):
+            return self.change_pattern(step, self.base_config.pattern_at(step))
         return self.update(step)
+
+    def step_on(self, step: int, stand_ins: list) -> UpdateRecord | None:
+        """step() computed on stand-ins for the targets (same names and order, e.g. background
+        Snapshots): masks and decays land on the stand-ins; the caller installs them."""
+        saved, self.targets = self.targets, [(t.name, t) for t in stand_ins]
+        try:
+            return self.step(step)
+        finally:
+            self.targets = saved
+
+    # ---- elastic N:M ------------------------------------------------------------------------
+    def set_pattern(self, pattern: str) -> None:
+        """Put `pattern` in force (config, schedule, every target's pattern); masks unchanged."""
+        cfg = self.base_config.phase_config(pattern)
+        self.config, self.schedule = cfg, SparsitySchedule.from_config(cfg)
+        for _, t in self.targets:
+            t.nm, t.transposable = cfg.nm, cfg.use_transposable
+
+    def change_pattern(self, step: int, pattern: str) -> UpdateRecord:
+        """Switch to `pattern` at `step` and re-derive every mask (growth by |grad| if it keeps more)."""
+        n0, m0 = self.config.nm
+        self.set_pattern(pattern)
+        n1, m1 = self.config.nm
+        return self.update(step, regrow=False, grow=n1 / m1 > n0 / m0)
 
     # ---- how much ---------------------------------------------------------------------------
     def layer_sparsities(self, sparsity: float) -> dict[str, float]:
@@ -141,8 +183,9 @@ class MaskController:
         return chosen
 
     # ---- update -----------------------------------------------------------------------------
-    def update(self, step: int, *, regrow: bool = True) -> UpdateRecord:
-        """Recompute every mask for `step` now (step() calls this on update steps)."""
+    def update(self, step: int, *, regrow: bool = True, grow: bool = False) -> UpdateRecord:
+        """Recompute every mask for `step` now (step() calls this on update steps). `grow`: an
+        N:M pattern change to a denser pattern keeps the active weights and grows by |grad|."""
         cfg = self.config
         global_s = self.schedule(step)
         progress = global_s / cfg.target if cfg.target else 0.0
@@ -166,6 +209,11 @@ class MaskController:
                 # only drop-and-grow growth starts from zero; leaving a dense phase or entering the
                 # dense finish keeps the STE-trained values
                 regrown = reset_regrown(t.weight, new & ~old, self.optimizer)
+            elif grow and levels[name] > 0 and not bool(old.all()):
+                g = self._grow_scores(t).float()
+                # kept weights outrank every candidate; the rest compete by |grad|
+                new = mask_for(t, levels[name], scores=g + old.float() * (g.max() + 1.0))
+                regrown = reset_regrown(t.weight, new & ~old, self.optimizer)
             else:
                 new = mask_for(t, levels[name])
             t.set_mask(new)
@@ -188,7 +236,7 @@ class MaskController:
         grad = t.weight.grad
         if grad is None:
             raise RuntimeError(
-                f"RigL update for {t.name} found no gradient; call controller.step(step) after "
+                f"RigL / elastic growth for {t.name} found no gradient; call controller.step(step) after "
                 "loss.backward() and optimizer.step(), before optimizer.zero_grad()"
             )
         return grad.detach().abs()
@@ -196,8 +244,15 @@ class MaskController:
     # ---- resume -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Masks live in the model's state_dict; this holds only the controller's own position."""
-        return {"last_update": self.last_update, "generator": self.generator.get_state()}
+        return {
+            "last_update": self.last_update,
+            "generator": self.generator.get_state(),
+            "pattern": self.config.pattern,
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores the position and the pattern in force (load it before the masks are checked)."""
+        if "pattern" in state and parse_pattern(state["pattern"]) != self.config.nm:
+            self.set_pattern(state["pattern"])
         self.last_update = state["last_update"]
         self.generator.set_state(state["generator"])

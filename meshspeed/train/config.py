@@ -54,6 +54,11 @@ class ParallelSection:
     pp: int = opt(1, "pipeline-parallel degree")
     sequence_parallel: bool = opt(False, "shard norm/dropout activations along the sequence over tp")
     zero: int = opt(0, "ZeRO stage: 0 off, 1 shard optimizer state, 2 also shard gradients", (0, 1, 2))
+    zero_prefetch: bool = opt(
+        False,
+        "ZeRO 1/2: gather the updated parameters during the next forward, bucket by bucket, "
+        "instead of blocking at the end of the step (exact; off while sparsity is on)",
+    )
     bucket_mb: float = opt(25.0, "gradient bucket size for overlapped data-parallel reduction (MB)")
     vpp: int = opt(
         1, "model chunks (virtual pipeline stages) per pipeline rank; ≥ 2 for the interleaved schedules"
@@ -68,6 +73,20 @@ class ParallelSection:
         False,
         "record the last step's pipeline timeline: run.dir/pp_trace.json + PNGs, measured next to simulated",
     )
+    cp: int = opt(1, "context-parallel degree: ranks sharing each sequence inside attention")
+    cp_impl: str = opt(
+        "ring",
+        "context parallelism: ulysses (all-to-all, heads/tp must divide by cp), ring (any heads; "
+        "zigzag causal split), hybrid (Ulysses over cp_ulysses ranks, ring across)",
+        ("ulysses", "ring", "hybrid"),
+    )
+    cp_ulysses: int = opt(1, "Ulysses degree inside each ring step (cp_impl=hybrid); must divide cp")
+    tp_overlap: bool = opt(
+        False,
+        "hide the sequence-parallel all-gather / reduce-scatter behind the column / row-parallel "
+        "matmuls, chunk by chunk (needs sequence_parallel; exact)",
+    )
+    tp_overlap_chunks: int = opt(0, "chunks per rank's sequence block for tp_overlap (0 = cost model)")
 
 
 @dataclass
@@ -99,6 +118,16 @@ class TrainSection:
         "a step whose loss or gradient norm is not finite is skipped (no update, "
         "counted in metrics.jsonl); this many in a row stop the run with an error",
     )
+    fused_kernels: bool = opt(
+        False,
+        "RMSNorm and SwiGLU through meshspeed's Triton kernels (CUDA; on CPU only under "
+        "TRITON_INTERPRET=1, which is for tests)",
+    )
+    peak_tflops: float = opt(
+        0.0,
+        "peak TFLOP/s of one device for MFU (0 = table of known GPUs; on CPU or an unlisted GPU "
+        "MFU is reported as n/a)",
+    )
 
 
 @dataclass
@@ -111,6 +140,11 @@ class DataSection:
         "'bytes' (token = byte, vocabulary 256) or a Hugging Face tokenizer: a "
         "directory holding tokenizer.json, or the file; its vocabulary must fit the "
         "model's",
+    )
+    packing: bool = opt(
+        False,
+        "per-document attention in each sequence: a token after the tokenizer's end-of-text "
+        "separator starts a new document (attention does not cross it, positions restart)",
     )
 
 
@@ -190,6 +224,21 @@ class SparsitySection:
     sr_ste_lambda: float = opt(-1.0, "SR-STE decay of pruned weights (< 0 = 2e-4 for method sr-ste, else 0)")
     transposable: bool = opt(
         True, "2:4 masks that are 2:4 along both dims (sparse input-gradient matmul too)"
+    )
+    async_masks: bool = opt(
+        False,
+        "compute each mask update in the background from a snapshot of the update step's weights "
+        "and apply it one step later (same masks, same losses whatever the layout or timing)",
+    )
+    pattern_schedule: str = opt(
+        "",
+        "elastic N:M: 'step:N:M,...' (e.g. '0:1:4,200:2:4'), the first at step 0 equal to "
+        "sparsity.pattern; masks are re-derived at each change ('' = the pattern stays)",
+    )
+    sparse_grad_comm: bool = opt(
+        False,
+        "data-parallel gradient reduction sends only the kept values of masked weights between mask "
+        "updates (masked positions then get no gradient); dense at update steps",
     )
 
 
@@ -306,6 +355,8 @@ def validate(cfg: Config) -> None:
         ("parallel.tp", p.tp),
         ("parallel.pp", p.pp),
         ("parallel.vpp", p.vpp),
+        ("parallel.cp", p.cp),
+        ("parallel.cp_ulysses", p.cp_ulysses),
         ("nproc", cfg.nproc),
     ]
     for key, value in positive:
@@ -356,10 +407,24 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
     if c.keep < 1:
         raise ConfigError(f"checkpoint.keep={c.keep} must be ≥ 1")
-    if cfg.sparsity.pattern != "none":
-        from meshspeed.train.sparsity import sparsity_config
+    if p.tp_overlap and not p.sequence_parallel:
+        raise ConfigError(
+            "parallel.tp_overlap=true overlaps the sequence-parallel collectives; set "
+            "parallel.sequence_parallel=true or tp_overlap=false"
+        )
+    if p.tp_overlap_chunks < 0:
+        raise ConfigError(
+            f"parallel.tp_overlap_chunks={p.tp_overlap_chunks} must be ≥ 1, or 0 for the cost model's choice"
+        )
+    if t.peak_tflops < 0:
+        raise ConfigError(
+            f"train.peak_tflops={t.peak_tflops} must be > 0 (TFLOP/s of one device), "
+            "or 0 for the device table"
+        )
+    from meshspeed.train.sparsity import sparsity_config
 
-        sparsity_config(cfg.sparsity, total_steps=t.steps, seed=t.seed)  # one-line ConfigError if invalid
+    # one-line ConfigError if invalid (also step-2 settings without a pattern)
+    sparsity_config(cfg.sparsity, total_steps=t.steps, seed=t.seed)
 
 
 def add_arguments(parser) -> None:

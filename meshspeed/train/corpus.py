@@ -308,5 +308,24 @@ def token_file_corpus(path: str, format: str, val_fraction: float = DEFAULT_VAL_
         )
     n = size // itemsize
     tokens = torch.from_file(path, shared=False, size=n, dtype=dtype)
-    n_val = min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0
+    # `meshspeed data prepare` wrote whole documents last for validation and says how many tokens
+    side = read_sidecar(path)
+    n_val = int(((side or {}).get("validation") or {}).get("tokens") or 0)
+    if not 0 < n_val < n or (side or {}).get("count") != n:
+        n_val = min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0
     return Corpus(tokens[: n - n_val], tokens[n - n_val :], None, path)
+
+
+def read_sidecar(path: str) -> dict | None:
+    """The JSON `meshspeed data prepare` wrote beside token file `path` (None when there is none)."""
+    try:
+        with open(path + ".json") as f:
+            side = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"data.path={path!r}: its sidecar {path}.json is unreadable ({e}); re-run "
+            "`meshspeed data prepare` or remove the sidecar"
+        ) from None
+    return side if isinstance(side, dict) else None

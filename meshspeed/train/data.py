@@ -20,6 +20,8 @@ same fixed batches at every evaluation and for every layout.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from collections.abc import Iterator
 
 import torch
@@ -28,11 +30,14 @@ from meshspeed.train.corpus import (  # noqa: F401
     DEFAULT_MAX_MB,
     DEFAULT_VAL_FRACTION,
     FORMATS,
+    TOKEN_DTYPES,
     Corpus,
     DataError,
+    default_cache_dir,
     load_corpus,
+    read_sidecar,
 )
-from meshspeed.train.tokenizer import ByteTokenizer
+from meshspeed.train.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_digest
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs [micro, seq], targets [micro, seq]) int64
 
@@ -72,10 +77,14 @@ def load_tokens(
     val_fraction: float = DEFAULT_VAL_FRACTION,
     cache_dir: str | None = None,
     tokenizer=None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(train tokens, validation tokens) for `data.path` / `data.format`: `load_corpus` without
     the metadata. Text read with a Hugging Face `tokenizer` (data.tokenizer) is re-tokenized
-    from the byte corpus (same files, same split); token files are already tokens."""
+    from the byte corpus (same files, same split); token files are already tokens, checked
+    against the model's `vocab_size` when given (check_token_data)."""
+    if vocab_size is not None:
+        check_token_data(path, format, vocab_size, tokenizer or "bytes", cache_dir)
     c = load_corpus(path, format, max_mb=max_mb, val_fraction=val_fraction, cache_dir=cache_dir)
     if tokenizer is None or isinstance(tokenizer, ByteTokenizer) or format != "text":
         return c.train, c.val
@@ -241,3 +250,84 @@ class ValidationLoader(_Batches):
     def __iter__(self) -> Iterator[list[MicroBatch]]:
         for b in range(self.num_batches):
             yield self.batches(b)
+
+
+# --------------------------------------------------------------------------- token file checks
+_SCAN_TOKENS = 1 << 22  # tokens per chunk of the largest-id scan (32 MiB as int64)
+
+
+def check_token_data(path: str, format: str, vocab_size: int, tokenizer="bytes", cache_dir=None) -> None:
+    """Refuse, in one line naming the file, a token file the model cannot train on: a format,
+    tokenizer or vocabulary other than its sidecar records, or any id ≥ `vocab_size` (which
+    would index past the embedding: a crash at tp 1, wrong numbers at tp ≥ 2). `tokenizer` is
+    data.tokenizer's spec or a loaded tokenizer. Without a sidecar the file is scanned once for
+    its largest id; the result is cached by (path, size, mtime). Text data passes through."""
+    if format not in TOKEN_DTYPES or not path or not os.path.isfile(path):
+        return  # text, or a missing/misnamed file: load_corpus words those errors
+    itemsize = torch.empty(0, dtype=TOKEN_DTYPES[format]).element_size()
+    n = os.path.getsize(path) // itemsize
+    side = read_sidecar(path)
+    if side is not None:
+        made = f"{path}.json, written by `meshspeed data prepare`"
+        if side.get("format") != format:
+            raise DataError(
+                f"data.format={format} but data.path={path!r} holds {side.get('format')} tokens ({made}); "
+                f"use --data.format {side.get('format')}"
+            )
+        if side.get("count") != n:
+            raise DataError(
+                f"data.path={path!r} holds {n:,} tokens but {path}.json says {side.get('count')}: the "
+                "sidecar is stale; re-run `meshspeed data prepare` or delete the sidecar"
+            )
+        tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        name = getattr(tok, "path", "bytes")
+        if "tokenizer_sha256" in side:
+            same = side["tokenizer_sha256"] == tokenizer_digest(tok)
+        else:  # sidecars written before the digest: tell bytes from Hugging Face at least
+            same = (side.get("tokenizer") == "bytes") == (name == "bytes")
+        if not same:
+            raise DataError(
+                f"data.tokenizer={name!r} but data.path={path!r} was tokenized with "
+                f"{side.get('tokenizer')!r} ({made}); use --data.tokenizer {side.get('tokenizer')} "
+                "(or that tokenizer's directory on this machine)"
+            )
+        if side.get("vocab_size", 0) > vocab_size:
+            raise DataError(
+                f"data.path={path!r} was tokenized with a {side['vocab_size']:,}-token vocabulary "
+                f"({side.get('tokenizer')}) but the model's vocab_size is {vocab_size:,}; use a model "
+                f"with vocab_size ≥ {side['vocab_size']:,} (model.preset) or a matching tokenizer"
+            )
+    top = side.get("max_id") if side is not None else None
+    if top is None:
+        top = _max_token_id(path, format, n, cache_dir)
+    if top >= vocab_size:
+        raise DataError(
+            f"data.path={path!r} holds token id {top:,} but the model's vocab_size is {vocab_size:,} "
+            f"(ids must be below it); use a model with vocab_size ≥ {top + 1:,} (model.preset) "
+            "or a token file made with the model's tokenizer"
+        )
+
+
+def _max_token_id(path: str, format: str, n: int, cache_dir=None) -> int:
+    """The largest id in a token file: a chunked scan (memory-mapped, 32 MiB at a time), cached
+    in the corpus cache by (absolute path, size, mtime, format) so a large file is scanned once."""
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{format}".encode())
+    memo = os.path.join(cache_dir or default_cache_dir(), f"maxid-{key.hexdigest()[:24]}.json")
+    try:
+        with open(memo) as f:
+            return int(json.load(f)["max_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    tokens = torch.from_file(path, shared=False, size=n, dtype=TOKEN_DTYPES[format])
+    top = 0
+    for i in range(0, n, _SCAN_TOKENS):  # uint16/uint32 have no max() on CPU: compare as int64
+        top = max(top, int(tokens[i : i + _SCAN_TOKENS].to(torch.int64).max()))
+    try:
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        with open(memo + f".{os.getpid()}.tmp", "w") as f:
+            json.dump({"path": os.path.abspath(path), "max_id": top}, f)
+        os.replace(memo + f".{os.getpid()}.tmp", memo)
+    except OSError:  # an unwritable cache: scan again next time
+        pass
+    return top

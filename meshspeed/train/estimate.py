@@ -7,18 +7,20 @@ What is exact and what is a model:
   ZeRO-2 keeps only the rank's 1/dp of them after the reduce-scatter;
 - optimizer: AdamW's two moments in float32, plus a float32 master copy when training in
   bfloat16; ZeRO-1/2 shard all of it over dp;
-- activations: a model. Per transformer layer and micro-batch, Korthikanti et al. (2022, "Reducing
-  Activation Recomputation in Large Transformer Models") count s·b·h·34 bytes in 16-bit with
-  tensor + sequence parallelism dividing all of it by tp (without sequence parallelism
-  s·b·h·(10 + 24/tp)); attention is assumed to run through a fused kernel that keeps no
-  s × s score matrix (SDPA's flash / efficient backends). The last stage adds the logits in
-  float32 for the cross-entropy. The layers in flight are the pipeline schedule's peak number of
-  micro-batches whose forward has run and backward has not (from its simulation);
+- activations: the bytes autograd keeps per transformer layer and micro-batch, derived from the
+  model's shapes and the recompute mode (`meshspeed.memory.estimate`, checked against bytes
+  counted with saved-tensor hooks in tests/memory/test_estimate.py), attention through a fused
+  kernel keeping no s × s score matrix. The last stage adds the final norm and the float32
+  log-softmax of its (vocab-sharded) logits. The layers in flight are the pipeline schedule's
+  peak number of micro-batches whose forward has run and backward has not (from its
+  simulation); recompute applies to the first `memory.recompute_layers` layers of each stage;
 - buffers: the sequence-parallel all-gather of one layer's input (tp > 1 with SP).
-The memory issue's counted estimator replaces the activation model with counted bytes.
+MoE blocks are estimated as dense blocks of the same ffn width (not modelled yet).
 """
 
 from __future__ import annotations
+
+from meshspeed.memory.estimate import head_activation_bytes, layer_activation_bytes
 
 BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -35,8 +37,27 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     if p.zero >= 1:
         opt = -(-opt // dp)
     s, mb, h, tp = t.seq_len, t.micro_batch_size, model.dim, dims.tp
-    per_layer_16 = s * mb * h * (34 / tp if p.sequence_parallel else 10 + 24 / tp)
-    per_layer = per_layer_16 * b / 2
+    mem = getattr(cfg, "memory", None)  # the [memory] section, once the config has one
+    mode = getattr(mem, "recompute", "none")
+    recompute_layers = getattr(mem, "recompute_layers", None)
+    shape = dict(
+        tokens=s * mb,
+        dim=h,
+        n_heads=model.n_heads,
+        n_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        ffn_hidden=model.ffn_dim,
+        tp=tp,
+        sequence_parallel=p.sequence_parallel,
+        elem=b,
+    )
+
+    def layers_bytes(n: int) -> float:
+        chosen = n if recompute_layers is None else min(recompute_layers, n)
+        return chosen * layer_activation_bytes(mode=mode, **shape) + (n - chosen) * layer_activation_bytes(
+            **shape
+        )
+
     pp_rank = coords["pp"]
     mine = [st for st in plan.stages if st["rank"] == pp_rank] if dims.pp > 1 else []
     if mine:
@@ -44,13 +65,15 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
         chunks = len(mine)
         in_flight = plan.peak_microbatches[pp_rank] if plan.peak_microbatches else chunks
         # peak counts chunk-micro-batches: each holds one chunk's layers
-        acts = in_flight * (layers / chunks) * per_layer
+        acts = in_flight * layers_bytes(round(layers / chunks))
         head = any(st["head"] for st in mine)
     else:
-        acts = model.n_layers * per_layer
+        acts = layers_bytes(model.n_layers)
         head = True
-    if head:  # logits, upcast to float32 for the cross-entropy, vocab split over tp
-        acts += s * mb * model.vocab_size / tp * (b + 4)
+    if head:
+        acts += head_activation_bytes(
+            tokens=s * mb, dim=h, vocab=model.vocab_size, tp=tp, sequence_parallel=p.sequence_parallel, elem=b
+        )
     buffers = s * mb * h * b if (tp > 1 and p.sequence_parallel) else 0
     out = {
         "params": int(params * b),

@@ -73,9 +73,10 @@ def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
     p = trainer.mesh.dims
     n = sum(x.numel() for x in trainer.model.parameters())
     pp = f"pp {p.pp} × " if p.pp > 1 else ""
+    cp = f"cp {p.cp} ({cfg.parallel.cp_impl}) × " if p.cp > 1 else ""
     print(
         f"\nmeshspeed train: {cfg.model.preset} ({n:,} local params) on {trainer.ctx.world_size} ranks: "
-        f"{pp}dp {p.dp} × tp {p.tp}, zero {cfg.parallel.zero}, {cfg.train.dtype}"
+        f"{pp}dp {p.dp} × {cp}tp {p.tp}, zero {cfg.parallel.zero}, {cfg.train.dtype}"
     )
     if s["final_loss"] is not None:
         val = f", val loss {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
@@ -84,6 +85,9 @@ def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
         print(f"  skipped     {s['skipped_steps']} step(s) with a non-finite loss or gradient norm")
     if s["tokens_per_s"]:
         print(f"  {s['tokens_per_s']:,.0f} tokens/s (mean over steady-state steps)")
+    if "mfu" in s:
+        mfu = "n/a (peak unknown: set --train.peak_tflops)" if s["mfu"] is None else f"{s['mfu']:.1%}"
+        print(f"  MFU         {mfu}")
     print(f"  metrics     {s['metrics']}")
     if s.get("plot"):
         print(f"  loss curve  {s['plot']}")

@@ -62,7 +62,9 @@ def check(cfg, recipe, microbatches: int):
 class TrainerPipeline:
     """This rank's stages and runtime, plus what the trainer's step and validation need."""
 
-    def __init__(self, cfg, mesh, recipe, microbatches: int, device, layouts=None):
+    def __init__(self, cfg, mesh, recipe, microbatches: int, device, layouts=None, cp=None):
+        """cp: the context-parallel core (parallel/context.py) when parallel.cp > 1: micro-batches
+        are cut to this rank's slice of each sequence, and its positions feed RoPE."""
         from meshspeed.parallel.pipeline.runtime import PipelineRuntime
         from meshspeed.parallel.pipeline.stage import build_stages
 
@@ -88,13 +90,15 @@ class TrainerPipeline:
             seq_len=t.seq_len,
             sequence_parallel=p.sequence_parallel,
             trace=p.pp_trace,
+            positions=None if cp is None else cp.positions(t.seq_len),
         )
+        self._slice = None if cp is None else self.runtime.positions.cpu()
         self.trace_files: dict | None = None
 
     def train_step(self, micro, dp, step: int) -> torch.Tensor:
         """Sum over this rank's micro-batches of the loss (float64, CPU; same on all pp ranks);
         the trainer moves it to the backend's device before reducing over dp."""
-        total = self.runtime.train_step(micro, dp)
+        total = self.runtime.train_step(self._local(micro), dp)
         if self.cfg.parallel.pp_trace and step == self.cfg.train.steps - 1:
             self.trace_files = self.write_trace(step)
         return total
@@ -104,10 +108,18 @@ class TrainerPipeline:
         averages over dp on the backend's device (a CPU float64 reduce fails on NCCL)."""
         total, n = torch.zeros((), dtype=torch.float64), 0
         for b in range(val_loader.num_batches):
-            micro = val_loader.batches(b)
+            micro = self._local(val_loader.batches(b))
             total += self.runtime.evaluate(micro)
             n += len(micro)
         return total, n
+
+    def _local(self, micro):
+        """This rank's slice of every (tokens, targets) sequence under context parallelism."""
+        if self._slice is None:
+            return micro
+        from meshspeed.parallel.context import shard_sequence
+
+        return [(shard_sequence(x, self._slice), shard_sequence(y, self._slice)) for x, y in micro]
 
     def write_trace(self, step: int) -> dict | None:
         """Gather the last step's per-action times over the pp group; the first rank writes

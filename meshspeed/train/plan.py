@@ -27,6 +27,7 @@ from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.comm.placement import chunk_sizes, sharding_of
 from meshspeed.models import ModelConfig, recipe_for
 from meshspeed.models.hf import check_exportable
+from meshspeed.parallel.context import check_cp
 from meshspeed.parallel.tensor import check_tp, parallelize
 from meshspeed.train import config as config_mod
 from meshspeed.train.data import accumulation_steps
@@ -72,21 +73,22 @@ def resolve_layout(cfg, world_size: int) -> tuple[ParallelDims, int]:
     """(degrees, micro-batches per rank per step) for this world size, or one line saying what
     to change."""
     p, t = cfg.parallel, cfg.train
-    rest = p.tp * p.pp
+    rest = p.tp * p.pp * p.cp
+    cp = f" × parallel.cp={p.cp}" if p.cp > 1 else ""
     if world_size % rest:
         raise ConfigError(
-            f"parallel.tp={p.tp} × parallel.pp={p.pp} = {rest} does not divide the world size "
+            f"parallel.tp={p.tp} × parallel.pp={p.pp}{cp} = {rest} does not divide the world size "
             f"{world_size}; use --nproc {rest * max(1, world_size // rest)} or smaller degrees"
         )
     dp = p.dp or world_size // rest
     if dp * rest != world_size:
         raise ConfigError(
-            f"parallel.dp={p.dp} × tp={p.tp} × pp={p.pp} = {dp * rest} ranks, but the world size "
-            f"is {world_size}; set parallel.dp={world_size // rest} (or 0 for automatic)"
+            f"parallel.dp={p.dp} × tp={p.tp} × pp={p.pp}{cp.replace('parallel.', '')} = {dp * rest} ranks, "
+            f"but the world size is {world_size}; set parallel.dp={world_size // rest} (or 0 for automatic)"
         )
     # the one rule for micro-batches per step (the loader applies the same function)
     microbatches = accumulation_steps(t.global_batch_size, t.micro_batch_size, dp)
-    return ParallelDims(dp=dp, pp=p.pp, tp=p.tp), microbatches
+    return ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp), microbatches
 
 
 def _model(cfg):
@@ -102,6 +104,10 @@ def _model(cfg):
 def _check_model(cfg, config: ModelConfig, recipe) -> None:
     p, t = cfg.parallel, cfg.train
     check_tp(p.tp, recipe)
+    if cfg.data.packing and p.pp > 1:
+        raise ConfigError(f"data.packing=true with parallel.pp={p.pp} is not supported yet; use pp=1")
+    if p.cp > 1:
+        check_cp(p.cp_impl, p.cp, config.n_heads // p.tp, t.seq_len, p.cp_ulysses)
     if p.sequence_parallel and p.tp > 1 and t.seq_len % p.tp:
         good = (t.seq_len // p.tp + 1) * p.tp
         raise ConfigError(
@@ -124,6 +130,7 @@ def _check_run_dir(cfg) -> None:
 
 
 def _check_data(cfg, config: ModelConfig) -> None:
+    from meshspeed.train.data import check_token_data
     from meshspeed.train.tokenizer import check_vocab, load_tokenizer
 
     d = cfg.data
@@ -132,7 +139,10 @@ def _check_data(cfg, config: ModelConfig) -> None:
             f"data.path={d.path!r} does not exist; give a text file or directory, or a token file "
             f"from `meshspeed data prepare` (empty = the Python standard library's sources)"
         )
-    check_vocab(load_tokenizer(cfg.data.tokenizer), config.vocab_size)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tok, config.vocab_size)
+    # token files: format/tokenizer/vocabulary against the sidecar, every id < vocab_size
+    check_token_data(d.path, d.format, config.vocab_size, tok)
 
 
 # --- per-rank parameter counts -----------------------------------------------------------------

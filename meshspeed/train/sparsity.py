@@ -23,7 +23,14 @@ moments (ZeroAdamW.reset_state_where), so bf16 storage or ZeRO cannot bring the 
 
 Masks are persistent buffers (`<linear>.mask` whatever the layout, `<experts>.w1_mask`) tagged like their
 parameter (comm.placement), so checkpoints save and reshard them; `state_dict()` holds the
-controller's position, its RNG and the SR-STE decays for the checkpoint's `extra`.
+controller's position and pattern, its RNG, the SR-STE decays and an update in flight for the
+checkpoint's `extra`.
+
+Step 2 of the design (issue 19): `async_masks` (SparsityHook's docstring), `pattern_schedule`
+(elastic N:M, the core controller's change_pattern; growth reads the full reduced gradient, so
+not under ZeRO-2), `sparse_grad_comm` (meshspeed.parallel.sparse_comm, given the local mask
+buffers by parameter name; this hook keeps it dense on the steps whose after_step updates).
+Every row gets `grad_comm_bytes`, the gradient bytes the step handed to the dp collectives.
 """
 
 from __future__ import annotations
@@ -36,9 +43,18 @@ from torch import nn
 
 from meshspeed.comm import ConfigError, placement
 from meshspeed.models.moe import GroupedExperts
+from meshspeed.parallel.sparse_comm import SparseGradComm
 from meshspeed.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from meshspeed.sparse import MaskController, SparseLinear, SparseParam, SparsityConfig, check_shardable
+from meshspeed.sparse import (
+    MaskController,
+    SparseLinear,
+    SparseParam,
+    SparsityConfig,
+    check_shardable,
+    parse_pattern,
+)
 from meshspeed.sparse import report as sparse_report
+from meshspeed.sparse.background import MaskJob, Snapshot
 from meshspeed.sparse.rigl import reset_regrown
 
 GRAD_ADAPTERS = ("gradient", "sensitivity")
@@ -47,6 +63,12 @@ GRAD_ADAPTERS = ("gradient", "sensitivity")
 def sparsity_config(section, *, total_steps: int | None = None, seed: int = 0) -> SparsityConfig | None:
     """The core SparsityConfig of a [sparsity] section (None for pattern 'none'); ConfigError if invalid."""
     if section.pattern == "none":
+        for key in ("async_masks", "pattern_schedule", "sparse_grad_comm"):
+            if getattr(section, key):
+                raise ConfigError(
+                    f"sparsity.{key}={getattr(section, key)!r} needs masks; set sparsity.pattern "
+                    f"(e.g. 2:4) or leave sparsity.{key} unset"
+                )
         return None
     ramp = section.ramp_steps or max(1, (total_steps or 2) // 2)
     try:
@@ -68,6 +90,7 @@ def sparsity_config(section, *, total_steps: int | None = None, seed: int = 0) -
             drop_fraction=section.drop_fraction,
             transposable=section.transposable,
             seed=seed,
+            pattern_schedule=section.pattern_schedule,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -116,7 +139,6 @@ class _FullView:
                 f"{name}: sparse training knows tensor-parallel splits only, not {self.sharding}"
             )
         self.full_shape = self.sharding.full_shape if self.sharding is not None else p.shape
-        self.nm, self.transposable = local.nm, local.transposable
         self._w: torch.Tensor | None = None
         self.mask = _gather_mask(local.mask, group, self.sharding)
         placement.tag(local.mask, self.sharding)  # checkpoints shard the mask like its weight
@@ -124,6 +146,23 @@ class _FullView:
     @property
     def groups(self) -> int:
         return self.full_shape[0] if len(self.full_shape) > 2 else 1
+
+    # the pattern lives on the local layer (its set_mask checks it); an elastic change sets both
+    @property
+    def nm(self):
+        return self.local.nm
+
+    @nm.setter
+    def nm(self, value) -> None:
+        self.local.nm = value
+
+    @property
+    def transposable(self) -> bool:
+        return self.local.transposable
+
+    @transposable.setter
+    def transposable(self, value: bool) -> None:
+        self.local.transposable = value
 
     @property
     def sr_ste_lambda(self) -> float:
@@ -165,7 +204,16 @@ class _FullView:
 
 
 class SparsityHook:
-    """Drives the masks of a sparsified parallel model; built by `build_sparsity`."""
+    """Drives the masks of a sparsified parallel model; built by `build_sparsity`.
+
+    async_masks: at an update step the weights (and reduced gradients) are gathered and copied
+    here, on the training thread (collectives stay in program order), the controller runs on the
+    copies in a worker thread (meshspeed.sparse.background) while the next step trains, and the
+    result is installed at the next after_step, before anything else. So async is exactly the
+    synchronous run with each update's masks installed one step later (`threaded=False` computes
+    them inline for that comparison). Pattern changes (elastic N:M) stay synchronous: they are few
+    and their growth reads the live gradients. A checkpoint taken with an update in flight
+    carries its full masks (bool, in rank 0's state) so a resume installs them at the same step."""
 
     def __init__(self, model: nn.Module, config: SparsityConfig, views: list[_FullView], optimizer):
         self.model, self.config, self.views, self.optimizer = model, config, views, optimizer
@@ -174,6 +222,13 @@ class SparsityHook:
         except ValueError as err:  # a shape the pattern cannot take, named by the core
             raise ConfigError(str(err)) from None
         self.regrown = 0  # weights reset by RigL/SET regrowth so far (this process)
+        self.async_masks, self.threaded = False, True
+        self.need_grad = bool(views) and views[0].need_grad
+        self._pending: MaskJob | dict | None = None  # an update computed (or computing) off the step
+        self.grad_comm = None  # a SparseGradComm when sparsity.sparse_grad_comm is on
+        self._done = 0  # steps done at the last after_step
+        self.dp = getattr(optimizer, "dp", None)  # its counted gradient bytes go to the metrics
+        self._comm_bytes = 0 if self.dp is None else self.dp.stats["grad_comm_bytes"]
         self._sparsity = self._measure()
 
     def _measure(self) -> float:
@@ -184,18 +239,69 @@ class SparsityHook:
     def after_step(self, step: int) -> dict:
         """Call after opt.step() and before zero_grad() of 0-based training step `step`: updates
         the masks when step + 1 steps are done and that is an update step (collective over tp
-        then). Returns {"sparsity"} and, at updates, {"flip_rate"} for the metrics."""
-        done = step + 1
-        ctl = self.controller
-        if not ctl.should_update(done):
-            return {"sparsity": self._sparsity}
-        old = {v.name: v.mask for v in self.views}
-        record = ctl.step(done)
-        for v in self.views:
-            if record.layers[v.name].regrown:
-                self._reset(v, v.local_piece(v.mask & ~old[v.name]))
+        then). Returns {"sparsity"} and, when masks changed, {"flip_rate"} for the metrics (and
+        {"grad_comm_bytes"} with a data-parallel model)."""
+        done = self._done = step + 1
+        ctl, out = self.controller, {}
+        if self._pending is not None:  # launched at the previous step: installed now, whatever the timing
+            out["flip_rate"] = self._install(self._resolve())
+            self._pending = None
+        last = ctl.last_update
+        if ctl.should_update(done):
+            last = done  # also when a background job has not recorded it yet
+            if self.async_masks and not ctl.pattern_due(done):
+                self._launch(done)
+            else:
+                old = {v.name: v.mask for v in self.views}
+                record = ctl.step(done)
+                for v in self.views:
+                    if record.layers[v.name].regrown:
+                        self._reset(v, v.local_piece(v.mask & ~old[v.name]))
+                out["flip_rate"] = record.flip_rate
+        if self.dp is not None:
+            total = self.dp.stats["grad_comm_bytes"]
+            out["grad_comm_bytes"], self._comm_bytes = total - self._comm_bytes, total
+        if self.grad_comm is not None:
+            if "flip_rate" in out:
+                self.grad_comm.masks_changed()
+            # the next step packs unless its after_step updates masks (they may read dense gradients)
+            self.grad_comm.active = not ctl.should_update(done + 1, last)
         self._sparsity = self._measure()
-        return {"sparsity": self._sparsity, "flip_rate": record.flip_rate}
+        return {"sparsity": self._sparsity, **out}
+
+    def _launch(self, done: int) -> None:
+        snaps = []
+        for v in self.views:  # gathers over tp here, on the training thread
+            w = v.weight
+            g = None if w.grad is None else w.grad.clone()
+            snaps.append(Snapshot(v.name, w.detach().clone(), g, v))
+            v._w = None
+        fn = lambda: (self.controller.step_on(done, snaps), snaps)  # noqa: E731
+        device = self.views[0].local.weight.device
+        self._pending = MaskJob(fn, device=device, threaded=self.threaded)
+
+    def _resolve(self) -> dict:
+        """The pending update as plain data: full masks, decays, regrown counts, flip rate."""
+        if isinstance(self._pending, dict):
+            return self._pending
+        record, snaps = self._pending.result()
+        self._pending = {
+            "step": record.step,
+            "masks": {s.name: s.mask for s in snaps},
+            "sr_ste_lambda": {s.name: s.sr_ste_lambda for s in snaps},
+            "regrown": {n: u.regrown for n, u in record.layers.items()},
+            "flip_rate": record.flip_rate,
+        }
+        return self._pending
+
+    def _install(self, pending: dict) -> float:
+        for v in self.views:
+            old, new = v.mask, pending["masks"][v.name]
+            v.set_mask(new)
+            v.sr_ste_lambda = pending["sr_ste_lambda"][v.name]
+            if pending["regrown"][v.name]:
+                self._reset(v, v.local_piece(new & ~old))
+        return pending["flip_rate"]
 
     def _reset(self, view: _FullView, where: torch.Tensor) -> None:
         """Regrown weights start at zero with zero optimizer state (weight, master, moments)."""
@@ -207,23 +313,35 @@ class SparsityHook:
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Plain data for the checkpoint's `extra` (the masks themselves are model buffers)."""
+        """Plain data for the checkpoint's `extra` (the masks themselves are model buffers; an
+        update in flight is joined and saved whole)."""
+        pending = None if self._pending is None else self._resolve()  # first: it sets last_update
         return {
             "controller": self.controller.state_dict(),
             "sr_ste_lambda": {v.name: float(v.sr_ste_lambda) for v in self.views},
+            "pending": pending,
+            "done": self._done,
         }
 
     def load_state_dict(self, state: dict | None) -> None:
-        """After the model's buffers were loaded: re-install the local masks (refreshing each
-        layer's cached state: DCP writes buffers in place), re-gather the full ones (collective
-        over tp) and restore the controller's position."""
+        """After the model's buffers were loaded: put the saved pattern in force, re-install the
+        local masks (refreshing each layer's cached state: DCP writes buffers in place), re-gather
+        the full ones (collective over tp) and restore the controller's position."""
+        if state is not None:
+            self.controller.load_state_dict(state["controller"])
         for v in self.views:
             v.local.set_mask(v.local.mask.clone())
             v.mask = _gather_mask(v.local.mask, v.group, v.sharding)
         if state is not None:
-            self.controller.load_state_dict(state["controller"])
             for v in self.views:
                 v.sr_ste_lambda = state["sr_ste_lambda"][v.name]
+            self._pending = state.get("pending")
+        if self.grad_comm is not None:
+            self.grad_comm.masks_changed()
+            if state is not None:  # the next step packs unless its after_step updates (as in after_step)
+                done, pending = state.get("done", 0), state.get("pending")
+                last = pending["step"] if pending else self.controller.last_update
+                self.grad_comm.active = not self.controller.should_update(done + 1, last)
         self._sparsity = self._measure()
 
     def report(self) -> str:
@@ -239,10 +357,13 @@ def build_sparsity(
     config = sparsity_config(section, total_steps=total_steps, seed=seed)
     if config is None:
         return None
-    need_grad = config.method == "rigl" or config.adapter in GRAD_ADAPTERS
+    densities = [nm[0] / nm[1] for nm in (parse_pattern(p) for _, p in config.pattern_steps) if nm]
+    grows = any(b > a for a, b in zip(densities, densities[1:]))  # elastic growth reads |grad|
+    need_grad = config.method == "rigl" or config.adapter in GRAD_ADAPTERS or grows
     dp = getattr(optimizer, "dp", None)
     if need_grad and dp is not None and dp.zero == 2 and dp.group.size > 1:
         why = "sparsity.method=rigl" if config.method == "rigl" else f"sparsity.adapter={config.adapter}"
+        why = f"sparsity.pattern_schedule={config.pattern_schedule!r} (growth)" if grows else why
         raise ConfigError(
             f"{why} reads the full reduced gradient, but parallel.zero=2 keeps only 1/dp of it; "
             f"use parallel.zero 0 or 1"
@@ -259,15 +380,16 @@ def build_sparsity(
     for name, mod, pname in chosen:
         p = getattr(mod, pname)
         sharding = placement.sharding_of(p)
-        if sharding is not None and config.nm is not None:
+        for _, pattern in config.pattern_steps if sharding is not None and config.nm else ():
+            phase = config.phase_config(pattern)  # every pattern of an elastic schedule must fit
             try:
                 check_shardable(
                     name,
                     sharding.full_shape,
                     sharding.shard_dims()["tp"],
                     group.size,
-                    config.nm,
-                    transposable=config.use_transposable,
+                    phase.nm,
+                    transposable=phase.use_transposable,
                 )
             except ValueError as err:
                 raise ConfigError(str(err)) from None
@@ -282,7 +404,25 @@ def build_sparsity(
         else:  # a tp linear keeps its mask under the name a SparseLinear's has: checkpoints reshard
             local = SparseParam(mod, pname, name=name, mask_name="mask" if pname == "weight" else None, **kw)
         views.append(_FullView(name, local, group, need_grad))
-    return SparsityHook(model, config, views, optimizer)
+    hook = SparsityHook(model, config, views, optimizer)
+    hook.async_masks = section.async_masks
+    if section.sparse_grad_comm:
+        hook.grad_comm = _grad_comm(hook, dp)
+    return hook
+
+
+def _grad_comm(hook: SparsityHook, dp) -> SparseGradComm:
+    """Sparse gradient communication over the hook's local masks (live buffers, by parameter name)."""
+    if dp is None:
+        raise ConfigError(
+            "sparsity.sparse_grad_comm=true needs meshspeed's data parallelism (an optimizer from "
+            "build_data_parallel); set it false"
+        )
+    by_id = {id(v.local.weight): v.local.mask for v in hook.views}
+    masks = {n: by_id[id(p)] for n, p in dp.params.items() if id(p) in by_id}
+    grad_comm = SparseGradComm(dp, masks)
+    grad_comm.active = not hook.controller.should_update(1)
+    return grad_comm
 
 
 __all__ = ["SparsityHook", "build_sparsity", "sparsity_config"]

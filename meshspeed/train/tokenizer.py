@@ -10,6 +10,7 @@ never be confused with content.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -83,7 +84,7 @@ class HFTokenizer:
             raise ConfigError(
                 f"data.tokenizer={path!r}: {file} is not a tokenizers file ({str(e)[:120]})"
             ) from None
-        self.path, self.dir = path, os.path.dirname(os.path.abspath(file))
+        self.path, self.file, self.dir = path, file, os.path.dirname(os.path.abspath(file))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eot = self._eot()
 
@@ -129,3 +130,13 @@ def check_vocab(tokenizer, vocab_size: int, setting: str = "data.tokenizer") -> 
             f"is {vocab_size}; use a model with vocab_size ≥ {tokenizer.vocab_size} or a "
             "matching tokenizer"
         )
+
+
+def tokenizer_digest(tokenizer) -> str | None:
+    """sha256 of a Hugging Face tokenizer's tokenizer.json (None for bytes): what identifies it
+    in a token file's sidecar, since its directory's path differs between machines."""
+    file = getattr(tokenizer, "file", None)
+    if file is None:
+        return None
+    with open(file, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()

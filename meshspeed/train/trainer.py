@@ -20,11 +20,17 @@ import torch
 from meshspeed import comm
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
+from meshspeed.kernels.fused import triton_usable
 from meshspeed.models import recipe_for
+from meshspeed.models.flops import flops_per_token
+from meshspeed.models.layers import set_fused_kernels
+from meshspeed.models.llama import document_positions
+from meshspeed.parallel.context import apply_context_parallel, context_parallel, shard_sequence
 from meshspeed.parallel.materialize import build_parallel_model
 from meshspeed.parallel.optim import build_data_parallel, clip_grad_norm_, grad_norm
 from meshspeed.parallel.pipeline.layout import StageLayout
-from meshspeed.parallel.tensor import model_loss
+from meshspeed.parallel.tensor import loss_fn, model_loss, set_tp_overlap
+from meshspeed.parallel.zero_prefetch import enable_zero_prefetch
 from meshspeed.sparse.cuda import invalidate_compressed
 from meshspeed.train import checkpoint as ckpt
 from meshspeed.train import config as config_mod
@@ -33,7 +39,7 @@ from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_token
 from meshspeed.train.export import export_safetensors
 from meshspeed.train.hf_export import export_hf, source_hf_config
 from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
-from meshspeed.train.metrics import MetricsLogger, lr_at
+from meshspeed.train.metrics import MetricsLogger, lr_at, peak_flops
 from meshspeed.train.pipeline import TrainerPipeline
 from meshspeed.train.plan import RunPlan, make_plan
 from meshspeed.train.sparsity import build_sparsity
@@ -46,6 +52,17 @@ class NonFiniteError(RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient norm; the run stopped."""
 
     one_line = True
+
+
+def packed_documents(x: torch.Tensor, eot: int | None) -> torch.Tensor:
+    """[batch, seq] tokens -> document ids: a token after the end-of-text separator starts a new
+    document (the separator ends its own)."""
+    if eot is None:
+        raise ConfigError(
+            "data.packing=true needs a tokenizer with an end-of-text token; use data.packing=false"
+        )
+    ends = (x == eot).long()
+    return torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1].cumsum(1)], dim=1)
 
 
 class Trainer:
@@ -74,8 +91,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         # Born sharded: built on the meta device, each rank materialises only its pieces.
         # pp > 1: this rank's stage model (other stages' layers deleted, FQNs kept) + the schedule's runtime
+        # cp > 1: the attention cores see this rank's tokens only (its zigzag slice of each sequence)
+        self.cp = context_parallel(self.mesh, p.cp_impl, p.cp_ulysses) if p.cp > 1 else None
         self.pipeline = (
-            TrainerPipeline(cfg, self.mesh, self.recipe, self.accum, ctx.device, self._layouts())
+            TrainerPipeline(cfg, self.mesh, self.recipe, self.accum, ctx.device, self._layouts(), self.cp)
             if p.pp > 1
             else None
         )
@@ -85,6 +104,15 @@ class Trainer:
             self.model = build_parallel_model(
                 self.recipe, self.mesh, seed=t.seed, device=ctx.device, sequence_parallel=p.sequence_parallel
             )
+        if p.tp_overlap:  # plan/config checked sequence_parallel; 0 chunks = the cost model's K per layer
+            set_tp_overlap(self.model, True, p.tp_overlap_chunks or None)
+        if t.fused_kernels:
+            usable, why = triton_usable(ctx.device)
+            if not usable:
+                raise ConfigError(f"train.fused_kernels=true on {ctx.device}: {why}; set it to false")
+            set_fused_kernels(self.model, True)
+        if self.cp is not None:
+            apply_context_parallel(self.model, self.cp)
         if init_weights:  # before the optimizer copies the weights into its masters
             ckpt.load_checkpoint(init_weights, self.model, None, self.mesh, strict=False, restore_rng=False)
         self.dp, self.opt = build_data_parallel(
@@ -96,11 +124,16 @@ class Trainer:
             lr=t.lr,
             weight_decay=t.weight_decay,
             betas=(t.beta1, t.beta2),
+            # cp ranks hold other tokens of the same samples: their gradients are summed like dp's
+            group="dp_cp" if p.cp > 1 else "dp",
         )
         # masks on the parallel model's weights (same Parameters); None when sparsity.pattern=none
         self.sparsity = build_sparsity(
             cfg.sparsity, self.model, self.opt, self.mesh, total_steps=t.steps, seed=t.seed
         )
+        # ZeRO: step()'s parameter all-gather lands during the next forward (zero_prefetch.py);
+        # sparsity reads the weights right after step(), so it keeps the blocking gather.
+        self.prefetch = enable_zero_prefetch(self.dp) if p.zero_prefetch and self.sparsity is None else None
         train_tokens, val_tokens = load_tokens(
             cfg.data.path, cfg.data.format, max_mb=cfg.data.max_mb, tokenizer=self.tokenizer
         )
@@ -126,7 +159,15 @@ class Trainer:
         self.start_step = 0
         if cfg.checkpoint.resume:
             self.start_step = self._resume(cfg.checkpoint.resume)
-        self.metrics = MetricsLogger(cfg.run.dir, t.steps, self.lead, cfg.run.log_interval, self.start_step)
+        self.metrics = MetricsLogger(
+            cfg.run.dir,
+            t.steps,
+            self.lead,
+            cfg.run.log_interval,
+            self.start_step,
+            flops_per_token=flops_per_token(self.model_config, t.seq_len),
+            peak=peak_flops(ctx.device, ctx.world_size, t.peak_tflops or None),  # None: MFU n/a
+        )
 
     def _layouts(self) -> list[StageLayout]:
         return [StageLayout(**{**s, "layers": tuple(s["layers"])}) for s in self.plan.stages]
@@ -183,6 +224,8 @@ class Trainer:
         return int(state["step"])
 
     def _save(self, step: int) -> str:
+        if self.prefetch is not None:  # the weights are read outside a forward
+            self.prefetch.wait()
         return ckpt.save_checkpoint(
             self.cfg.run.dir,
             step,
@@ -200,6 +243,20 @@ class Trainer:
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        docs = packed_documents(x, self.tokenizer.eot) if self.cfg.data.packing else None
+        if self.cp is not None:
+            # This rank's (zigzag) slice of every sequence and its global RoPE positions. Every
+            # cp rank holds as many tokens, so the mean of the ranks' means over dp × cp is the
+            # mean over all tokens of the global batch.
+            pos = self.cp.positions(x.shape[1]).to(x.device)
+            rope = pos if docs is None else shard_sequence(document_positions(docs), pos)
+            docs = None if docs is None else shard_sequence(docs, pos)
+            x, y = shard_sequence(x, pos), shard_sequence(y, pos)
+            loss = loss_fn(self.model, self.recipe.loss)(self.model(x, positions=rope, doc_ids=docs), y, -100)
+            return loss, self.model.aux_loss()
+        if docs is not None:
+            loss = loss_fn(self.model, self.recipe.loss)(self.model(x, doc_ids=docs), y, -100)
+            return loss, self.model.aux_loss()
         loss = model_loss(
             self.model, x, y, aux=False, plain=self.recipe.loss
         )  # the cross-entropy: what metrics report
@@ -214,7 +271,7 @@ class Trainer:
     def _mean_over_dp(self, total: torch.Tensor, n: int) -> float:
         """The mean over data-parallel ranks of total / n (tp and pp ranks hold the same value)."""
         t = (total.to(device=self.ctx.device, dtype=self.loss_dtype) / max(n, 1)).reshape(1)
-        return comm.all_reduce(t, self.mesh["dp"], "avg").item()
+        return comm.all_reduce(t, self.mesh["dp_cp" if self.cp is not None else "dp"], "avg").item()
 
     def train_step(self, step: int) -> dict:
         """One optimizer step; a step whose loss or gradient norm is not finite changes
@@ -333,10 +390,13 @@ class Trainer:
             "final_loss": row["loss"] if row else None,
             "val_loss": row.get("val_loss") if row else None,
             "tokens_per_s": sum(tokens_per_s) / len(tokens_per_s) if tokens_per_s else None,
+            "mfu": self.metrics.mean_mfu(skip=3),  # the same steady-state steps as tokens_per_s
             "metrics": self.metrics.path,
             "checkpoint": last_ckpt,
             "skipped_steps": skipped,
         }
+        if self.prefetch is not None:  # exports read the weights outside a forward
+            self.prefetch.wait()
         if c.export_safetensors:
             summary["safetensors"] = export_safetensors(
                 self.model, self.mesh, os.path.join(self.cfg.run.dir, "model.safetensors")

@@ -52,8 +52,8 @@ def test_default_is_the_trainers_builtin_corpus(tmp_path):
     out = tmp_path / "tokens.bin"
     meta = prepare_tokens(str(out), max_mb=0.05)
     text = load_corpus("", "text", max_mb=0.05, cache_dir=str(tmp_path / "cache"))
-    tokens = _read(out, "uint32")
-    assert tokens.numel() == meta["count"] and meta["vocab_size"] == 256
+    tokens = _read(out, meta["format"])  # auto: 256 ids fit uint16
+    assert meta["format"] == "uint16" and tokens.numel() == meta["count"] and meta["vocab_size"] == 256
     assert torch.equal(tokens, torch.cat([text.train, text.val]).to(torch.int64))
 
 

@@ -78,7 +78,10 @@ class PipelineRuntime:
         sequence_parallel: bool = False,
         trace: bool = False,
         prefetch: bool | None = None,
+        positions: torch.Tensor | None = None,
     ):
+        """positions: the token positions this rank's micro-batches hold (context parallelism
+        gives each cp rank a slice of every sequence); default 0..seq_len-1."""
         self.stages, self.mesh = stages, mesh
         self.pp, self.vpp, self.rank = stages.pp, stages.vpp, stages.rank
         self.name, self.microbatches = schedule, microbatches
@@ -89,6 +92,8 @@ class PipelineRuntime:
         self.group = mesh["pp"]
         self.device = torch.device(mesh.ctx.device)
         tp = mesh["tp"].size
+        if positions is not None:
+            seq_len = len(positions)  # the rank's slice: what flows between stages
         if sequence_parallel and seq_len % tp:
             raise comm.ConfigError(
                 f"sequence parallelism needs train.seq_len={seq_len} divisible by parallel.tp={tp}"
@@ -99,7 +104,9 @@ class PipelineRuntime:
             seq_len // tp if sequence_parallel else seq_len,
             stages.recipe.hidden_size,
         )
-        self.positions = torch.arange(seq_len, device=self.device)
+        self.positions = (
+            torch.arange(seq_len, device=self.device) if positions is None else positions.to(self.device)
+        )
         # Posting receives early is safe on gloo, where each transfer progresses on its own.
         # On stream-ordered transports (NCCL, HCCL) an early receive queues ahead of sends to
         # the same peer, so there it is posted at its spot.

@@ -1,0 +1,113 @@
+"""meshspeed generate vs transformers' generate on the same model, prompts and batch (one process).
+
+A random Llama (transformers LlamaForCausalLM, float32) is saved and imported into meshspeed, so
+both run the very same weights. Both decode greedily with a key/value cache, the same left-padded
+batch of prompts of different lengths, `--new` tokens with no early stop. Before timing, the
+generated tokens are compared (a mismatch is flagged: timing different computations is worthless).
+
+Prefill time: a generate of one new token (transformers) / meshspeed's measured prefill.
+Decode time: (full generate - prefill) for transformers / meshspeed's measured decode loop.
+Rounds alternate the order (A B B A); reported: median tokens/s over rounds and the ratio
+meshspeed / transformers (> 1: meshspeed faster). CPU by default, CUDA with --device cuda.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from meshspeed import comm
+from meshspeed.infer.generate import Stats, generate
+from meshspeed.parallel.materialize import build_parallel_model
+from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64, help="longest prompt; others shorter")
+    ap.add_argument("--new", type=int, default=32, help="new tokens per prompt")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args()
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3,
+        num_hidden_layers=a.layers, num_attention_heads=a.hidden // 32,
+        num_key_value_heads=a.hidden // 64,
+        max_position_embeddings=a.prompt_len + a.new + 8,
+    )  # fmt: skip
+    theirs = transformers.LlamaForCausalLM(cfg).eval().to(a.device)
+    with tempfile.TemporaryDirectory() as d:
+        theirs.save_pretrained(d)
+        ours = build_parallel_model(hf_recipe(HFCheckpoint(d)), comm.ParallelDims().build(comm.init()))
+    ours = ours.eval().to(a.device)
+    ours.init_rope(a.device)
+    g = torch.Generator().manual_seed(1)
+    lens = [a.prompt_len - (i * a.prompt_len) // (2 * a.batch) for i in range(a.batch)]
+    prompts = [torch.randint(1, a.vocab, (n,), generator=g).tolist() for n in lens]
+    ids = torch.zeros(a.batch, a.prompt_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as meshspeed does
+        ids[i, a.prompt_len - len(p) :], mask[i, a.prompt_len - len(p) :] = torch.tensor(p), 1
+    ids, mask = ids.to(a.device), mask.to(a.device)
+
+    def hf(n: int) -> tuple[list[list[int]], float]:
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = theirs.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+        sync()
+        return out[:, a.prompt_len :].tolist(), time.perf_counter() - t
+
+    def sync():
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def ms() -> tuple[list[list[int]], Stats]:
+        s = Stats()
+        return generate(ours, prompts, max_new_tokens=a.new, stats=s), s
+
+    want, _ = hf(a.new)
+    got, _ = ms()
+    same = sum(w == o for w, o in zip(want, got, strict=True))
+    print(f"tokens equal for {same}/{a.batch} prompts" + ("" if same == a.batch else "  <-- MISMATCH"))
+    n_pre = sum(lens)
+    n_dec = a.batch * (a.new - 1)
+    rows = {k: [] for k in ("ms_pre", "ms_dec", "hf_pre", "hf_dec")}
+    for r in range(a.rounds):
+        for who in ("ms", "hf") if r % 2 == 0 else ("hf", "ms"):
+            if who == "ms":
+                _, s = ms()
+                rows["ms_pre"].append(n_pre / s.prefill_s)
+                rows["ms_dec"].append(n_dec / s.decode_s)
+            else:
+                _, t1 = hf(1)
+                _, tn = hf(a.new)
+                rows["hf_pre"].append(n_pre / t1)
+                rows["hf_dec"].append(n_dec / max(tn - t1, 1e-9))
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(
+        f"device {a.device}, torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"model hidden {a.hidden} x {a.layers} layers, vocab {a.vocab}; batch {a.batch}, "
+        f"prompts {min(lens)}..{max(lens)} tokens, {a.new} new; median of {a.rounds} rounds"
+    )
+    print(f"{'phase':8} {'meshspeed tok/s':>16} {'transformers tok/s':>19} {'ratio ms/hf':>12}")
+    for ph, k in (("prefill", "pre"), ("decode", "dec")):
+        m, h = med[f"ms_{k}"], med[f"hf_{k}"]
+        print(f"{ph:8} {m:16.1f} {h:19.1f} {m / h:12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""`meshspeed eval`: loss and perplexity of a checkpoint on held-out data, under any layout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXAMPLES = """examples:
+  meshspeed eval --checkpoint runs/tiny                       # the run's own validation data and layout
+  meshspeed eval --checkpoint runs/tiny --nproc 2 --parallel.tp 2 --parallel.dp 1
+  meshspeed eval --checkpoint runs/tiny/step-000300 --data.path notes.txt --train.eval_batches 8
+  meshspeed eval --checkpoint ~/Llama-3.2-1B --data.path tokens.bin --data.format uint32 \\
+      --data.tokenizer ~/Llama-3.2-1B --train.seq_len 1024     # a Hugging Face directory
+
+The loss is the trainer's validation loss (the same held-out tokens: the last part of a token
+file, or the validation files of a text corpus; train.eval_batches batches of
+train.global_batch_size sequences), computed by the trainer's own code under the layout given.
+Settings default to what the checkpoint's run recorded; --section.key overrides them.
+"""
+
+
+def register(sub) -> None:
+    from meshspeed.train import config
+
+    p = sub.add_parser(
+        "eval",
+        help="loss and perplexity of a checkpoint (any layout)",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a meshspeed checkpoint, a run directory (its newest checkpoint) or a Hugging Face directory",
+    )
+    p.add_argument("--json", metavar="FILE", help='also write {"loss", "perplexity", "tokens", ...} here')
+    p.add_argument("--config", metavar="FILE.toml", help="settings instead of the checkpoint's recorded ones")
+    config.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from meshspeed.comm import ConfigError, launch, launched
+    from meshspeed.infer.evaluate import eval_config, worker
+    from meshspeed.train import config
+    from meshspeed.train.plan import make_plan
+
+    quiet = launched() and os.environ.get("RANK", "0") != "0"
+    try:
+        overrides = config.overrides_from_args(args)
+        cfg = eval_config(args.checkpoint, args.config, overrides)
+        world = int(os.environ.get("WORLD_SIZE", cfg.nproc)) if launched() else cfg.nproc
+        plan = make_plan(cfg, world, ranks=False)  # every check, before any worker starts
+    except ConfigError as err:
+        if not quiet:
+            print(f"meshspeed eval: {err}", file=sys.stderr)
+        return 2
+    if launched():
+        return launch.run_worker(worker, (plan.to_dict(), args.json))
+    return launch.spawn(worker, cfg.nproc, (plan.to_dict(), args.json))

@@ -1,0 +1,124 @@
+"""`meshspeed generate` resolved before any worker starts, then run on every rank.
+
+The launcher side (resolve) reads the model's config, the tokenizer and the prompts and checks
+the layout, so bad input costs one line; the workers get plain data and only build, load and
+generate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from meshspeed import comm
+from meshspeed.comm import ConfigError
+
+
+def resolve(opts: dict) -> dict:
+    """Checked, plain-data job description from the command's options (see commands/generate.py)."""
+    from meshspeed.models import recipe_for
+    from meshspeed.parallel.tensor import check_tp
+    from meshspeed.train.hf_io import HFCheckpoint, is_hf_dir
+    from meshspeed.train.model_source import checkpoint_model_config
+    from meshspeed.train.tokenizer import check_vocab, load_tokenizer
+
+    if bool(opts.get("checkpoint")) == bool(opts.get("hf")):
+        raise ConfigError("give exactly one of --checkpoint DIR (meshspeed) or --hf DIR (Hugging Face)")
+    if opts.get("hf"):
+        if not is_hf_dir(opts["hf"]):
+            raise ConfigError(f"--hf={opts['hf']!r} has no config.json; pass a Hugging Face model directory")
+        config = HFCheckpoint(opts["hf"], "--hf").config
+    else:
+        config = checkpoint_model_config(opts["checkpoint"], "--checkpoint")
+    tp, dp, pp, nproc = opts["tp"], opts["dp"], opts["pp"], opts["nproc"]
+    if pp != 1:
+        raise ConfigError(f"--parallel.pp={pp}: pipeline-parallel generation is not implemented yet; use 1")
+    if tp * dp != nproc:
+        raise ConfigError(f"--parallel.tp={tp} × --parallel.dp={dp} = {tp * dp} must equal --nproc={nproc}")
+    check_tp(tp, recipe_for(config))
+    spec = opts.get("tokenizer") or (
+        opts["hf"]
+        if opts.get("hf") and os.path.isfile(os.path.join(opts["hf"], "tokenizer.json"))
+        else "bytes"
+    )
+    tok = load_tokenizer(spec)
+    check_vocab(tok, config.vocab_size, "--tokenizer")
+    texts = list(opts.get("prompt") or [])
+    if opts.get("prompts"):
+        try:
+            with open(opts["prompts"]) as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(
+                f"--prompts={opts['prompts']!r} cannot be read ({e.strerror}); pass a text file"
+            ) from None
+    if not texts:
+        raise ConfigError("no prompt: give --prompt TEXT (repeatable) or --prompts FILE (one per line)")
+    ids = [tok.encode(t) for t in texts]
+    if empty := [t for t, i in zip(texts, ids, strict=True) if not i]:
+        raise ConfigError(f"--prompt {empty[0]!r} encodes to no tokens; give a non-empty prompt")
+    longest = max(len(i) for i in ids) + opts["max_new_tokens"]
+    if longest > config.max_seq_len:
+        raise ConfigError(
+            f"--max-new-tokens={opts['max_new_tokens']}: the longest prompt plus it is {longest} tokens, "
+            f"over the model's max_seq_len {config.max_seq_len}; "
+            f"use ≤ {config.max_seq_len - longest + opts['max_new_tokens']}"
+        )
+    return {
+        **opts,
+        "tokenizer": spec,
+        "texts": texts,
+        "ids": ids,
+        "eos_id": tok.eot,
+        "model_config": dataclasses.asdict(config),
+    }
+
+
+def worker(job: dict) -> None:
+    """Every rank: build the (tensor-parallel) model, load the weights, generate, rank 0 reports."""
+    from meshspeed.infer.generate import SamplingConfig, Stats
+    from meshspeed.infer.parallel import build_inference_model, generate_parallel
+    from meshspeed.models import ModelConfig, recipe_for
+    from meshspeed.train.checkpoint import load_checkpoint
+    from meshspeed.train.ckpt_dirs import COMPLETE, CheckpointError, newest_verified
+    from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
+    from meshspeed.train.tokenizer import load_tokenizer
+
+    ctx = comm.init()
+    mesh = comm.ParallelDims(tp=job["tp"], dp=job["dp"]).build(ctx)
+    if job.get("hf"):
+        model = build_inference_model(hf_recipe(HFCheckpoint(job["hf"], "--hf")), mesh)
+    else:
+        model = build_inference_model(recipe_for(ModelConfig(**job["model_config"])), mesh)
+        path = job["checkpoint"]
+        if not os.path.isfile(os.path.join(path, COMPLETE)):  # a run directory: newest that verifies
+            path, skipped = newest_verified(path, mesh)
+            if path is None:
+                raise CheckpointError(
+                    f"--checkpoint={job['checkpoint']!r}: no checkpoint verifies ({skipped})"
+                )
+        load_checkpoint(path, model, None, mesh, restore_rng=False)
+        model.eval()
+    sampling = SamplingConfig(job["temperature"], job["top_k"], job["top_p"], job["seed"])
+    stats = Stats()
+    out = generate_parallel(
+        model, job["ids"], mesh, max_new_tokens=job["max_new_tokens"], sampling=sampling,
+        eos_id=job["eos_id"], stats=stats,
+    )  # fmt: skip
+    if ctx.rank == 0:
+        tok = load_tokenizer(job["tokenizer"])
+        rows = [
+            {"prompt": p, "token_ids": o, "text": tok.decode(o)}
+            for p, o in zip(job["texts"], out, strict=True)
+        ]
+        for r in rows:
+            print(f"{r['prompt']}{r['text']}\n")
+        if job.get("json"):
+            with open(job["json"], "w") as f:
+                json.dump({"outputs": rows}, f, indent=1)
+        print(
+            f"meshspeed generate: {stats.line()} "
+            f"(rank 0 of {ctx.world_size}; dp replicas time their own share)"
+        )
+    ctx.close()

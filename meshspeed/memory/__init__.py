@@ -1,0 +1,11 @@
+"""Memory features: recompute, counted activation bytes, chunked loss.
+
+Sits beside parallel/ and sparse/: it transforms a built model from outside (by module shape
+and the recipe's pipeline units) and never imports models/.
+"""
+
+from .chunked_loss import chunked_loss
+from .count import SavedBytes, count_saved
+from .recompute import RECOMPUTE_MODES, apply_recompute
+
+__all__ = ["RECOMPUTE_MODES", "SavedBytes", "apply_recompute", "chunked_loss", "count_saved"]

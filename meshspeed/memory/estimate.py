@@ -1,0 +1,111 @@
+"""Activation bytes autograd keeps per transformer layer, from the model's shapes.
+
+Derived from what `count_saved` counts for meshspeed's blocks (see tests/memory), per
+micro-batch and rank; T = tokens of the micro-batch (batch × seq), e = bytes of the compute
+dtype. Float32 statistics (RMSNorm's rsqrt, the attention log-sum-exp) are 4 bytes whatever e.
+- RMSNorm: its float32 input (the block input itself when e = 4), the normalised value before
+  and after the weight, the rsqrt: T·dim·(4 + 2e) + 4T;
+- attention (local heads H, head_dim hd): q after RoPE, k and v repeated to H heads, the
+  output: 4·T·H·hd·e + 4·T·H (log-sum-exp); `selective` keeps q, k, v before repeat_kv
+  (kv heads Hk) and the output: T·hd·(2H + 2Hk)·e;
+- SwiGLU (local hidden f): w1 x, silu(w1 x), w3 x and the product: 4·T·f·e; `activation`
+  keeps only w1 x and w3 x: 2·T·f·e;
+- `full`: the block input, T·dim·e.
+Dense blocks only (MoE blocks are not modelled yet); tensor parallelism divides heads and
+hidden by tp. Under sequence parallelism the norms run on T/tp rows and each column-parallel
+projection (wq, wk, wv, w1, w3) keeps its own all-gathered T-row input: 5·T·dim·e per block.
+"""
+
+from __future__ import annotations
+
+
+def layer_activation_bytes(
+    *,
+    tokens: int,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    ffn_hidden: int,
+    mode: str = "none",
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    elem: int = 4,
+) -> int:
+    """Saved bytes of one dense block for one micro-batch of `tokens` tokens on one tp rank."""
+    t = tokens
+    if mode == "full":
+        return (-(-t // tp) if sequence_parallel else t) * dim * elem  # the (sequence-sharded) input
+    heads, kv = n_heads // tp, max(1, n_kv_heads // tp)
+    f = -(-ffn_hidden // tp)  # torch.chunk piece: the largest
+    if sequence_parallel and tp > 1:
+        # the norms run on T/tp rows; wq, wk, wv, w1 and w3 each keep their own all-gathered
+        # T-row input (five copies: parallel/tensor.py gathers per projection)
+        rows = -(-t // tp)
+        norms = 2 * (rows * dim * (4 + elem) + 4 * rows) + 5 * t * dim * elem
+    else:
+        norms = 2 * (t * dim * (4 + 2 * elem) + 4 * t)
+    if mode == "selective":
+        attn = t * head_dim * (2 * heads + 2 * kv) * elem
+    else:
+        attn = 4 * t * heads * head_dim * elem + 4 * t * heads
+    ffn = (2 if mode in ("activation", "selective") else 4) * t * f * elem
+    return norms + attn + ffn
+
+
+def head_activation_bytes(
+    *, tokens: int, dim: int, vocab: int, tp: int = 1, sequence_parallel: bool = False, elem: int = 4
+) -> int:
+    """The final RMSNorm, the float32 log-softmax of the (vocab-sharded) logits, the token ids.
+
+    Under sequence parallelism the norm runs on T/tp rows and the output projection keeps its
+    gathered T-row input instead of the norm's own output."""
+    t = tokens
+    if sequence_parallel and tp > 1:
+        rows = -(-t // tp)
+        norm = rows * dim * (4 + elem) + 4 * rows + t * dim * elem
+    else:
+        norm = t * dim * (4 + 2 * elem) + 4 * t
+    return norm + t * (-(-vocab // tp)) * 4 + 8 * t
+
+
+def model_activation_bytes(
+    model,
+    *,
+    tokens: int,
+    mode: str = "none",
+    layers: int | None = None,
+    n_layers: int | None = None,
+    head: bool = True,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    elem: int = 4,
+) -> int:
+    """Saved bytes of `n_layers` dense blocks (default: the model's) plus the head, with
+    recompute `mode` in the first `layers` of them; `model` is a ModelConfig (read by name)."""
+    n = model.n_layers if n_layers is None else n_layers
+    chosen = n if layers is None else min(layers, n)
+    shape = dict(
+        tokens=tokens,
+        dim=model.dim,
+        n_heads=model.n_heads,
+        n_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        ffn_hidden=model.ffn_dim,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        elem=elem,
+    )
+    total = chosen * layer_activation_bytes(mode=mode, **shape) + (n - chosen) * layer_activation_bytes(
+        **shape
+    )
+    if head:
+        total += head_activation_bytes(
+            tokens=tokens,
+            dim=model.dim,
+            vocab=model.vocab_size,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            elem=elem,
+        )
+    return total

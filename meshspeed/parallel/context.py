@@ -1,0 +1,394 @@
+"""Context parallelism: the sequence split over the cp ranks inside attention.
+
+Three implementations of one attention core (q [batch, seq/cp, heads, hd], k/v [batch, seq/cp,
+kv_heads, hd] -> [batch, seq/cp, heads, hd]), swapped into the model's `Attention.core`:
+
+- ulysses: an all-to-all turns the sequence shard into a head shard (full sequence, heads/cp),
+  plain attention runs, the inverse all-to-all comes back (DeepSpeed-Ulysses). Needs heads % cp.
+- ring: each rank keeps its queries and passes key/value blocks around the cp ring with async
+  point-to-point hidden behind the block attention; blocks merge by log-sum-exp in float32; the
+  backward passes dK/dV around the ring (ring attention / ring-flash-attn). Any head count.
+- hybrid: Ulysses inside groups of `cp_ulysses` consecutive cp ranks, ring across them
+  (MindSpeed's Ulysses + ring): fewer ring steps, and heads only need to divide cp_ulysses.
+
+Masks are computed from global token positions, so any sequence layout works. Ring and hybrid
+use the zigzag layout (cp rank i holds chunks i and 2·cp−1−i of 2·cp): every rank then has the
+same causal work. Packed sequences pass document ids; attention stays inside a document.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshspeed.comm.errors import ConfigError
+from meshspeed.comm.group import Group
+from meshspeed.comm.mesh import Mesh
+
+from .context_comm import RingStats, RingStep, gather_ints, heads_to_seq, seq_to_heads
+
+IMPLS = ("ulysses", "ring", "hybrid")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def default_layout(impl: str) -> str:
+    """Ulysses attends over the whole sequence, so a plain split is balanced; the ring needs zigzag."""
+    return "contiguous" if impl == "ulysses" else "zigzag"
+
+
+def check_cp(impl: str, cp: int, n_heads: int, seq_len: int, cp_ulysses: int = 1) -> None:
+    """Every layout error as one line, before any worker starts."""
+    if impl not in IMPLS:
+        raise ConfigError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLS)}")
+    ulysses = {"ulysses": cp, "ring": 1, "hybrid": cp_ulysses}[impl]
+    if impl == "hybrid" and (cp_ulysses < 1 or cp % cp_ulysses):
+        divs = [d for d in range(1, cp + 1) if cp % d == 0]
+        raise ConfigError(f"parallel.cp_ulysses={cp_ulysses} must divide parallel.cp={cp}; valid: {divs}")
+    if n_heads % ulysses:
+        raise ConfigError(
+            f"parallel.cp_impl={impl} splits {n_heads} attention heads over {ulysses} ranks, which does "
+            f"not divide; use cp_impl=ring or a Ulysses degree dividing {n_heads}"
+        )
+    unit = cp if default_layout(impl) == "contiguous" else 2 * cp
+    if seq_len % unit:
+        raise ConfigError(
+            f"sequence length {seq_len} must be a multiple of {unit} for parallel.cp={cp} cp_impl={impl}"
+            f"{' (zigzag: 2·cp chunks)' if unit == 2 * cp else ''}; e.g. {seq_len - seq_len % unit or unit}"
+        )
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, layout: str) -> torch.Tensor:
+    """Global token positions [seq_len/cp] held by cp rank `rank` (also its RoPE positions)."""
+    if layout == "contiguous":
+        n = seq_len // cp
+        return torch.arange(rank * n, (rank + 1) * n)
+    if layout != "zigzag":
+        raise ConfigError(f"context layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    n = seq_len // (2 * cp)
+    far = 2 * cp - 1 - rank
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n), torch.arange(far * n, (far + 1) * n)])
+
+
+def shard_sequence(x: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's rows of a full-sequence tensor (tokens, targets, document ids)."""
+    return x.index_select(dim, positions.to(x.device))
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[b, s, kv, hd] -> [b, s, kv*n_rep, hd], query head h using kv head h // n_rep (the model's
+    repeat_kv); autograd sums the copies' gradients back into the kv head."""
+    if n_rep == 1:
+        return x
+    b, s, kv, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, kv, n_rep, d).reshape(b, s, kv * n_rep, d)
+
+
+def kv_replication(n_heads: int, n_kv: int, degree: int) -> int:
+    """Fewest copies of each kv head so the kv heads split over `degree` ranks in step with the
+    query heads (kv-heads < degree is grouped-query attention at high Ulysses degree)."""
+    group = n_heads // n_kv
+    for rep in range(1, group + 1):
+        if group % rep == 0 and (n_kv * rep) % degree == 0:
+            return rep
+    raise ConfigError(f"{n_heads} heads cannot be split over a Ulysses degree of {degree}")
+
+
+def _runs(pos: torch.Tensor) -> list[tuple[int, int]]:
+    """Index ranges where positions increase by one: the causal structure is uniform inside."""
+    cut = [0] + ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist() + [len(pos)]
+    return list(zip(cut[:-1], cut[1:]))
+
+
+def _work(pos_q: torch.Tensor, pos_k: torch.Tensor, docs_q, docs_k) -> list:
+    """Blocks of one (query rank, key rank) pair: (q start, q end, key slice, mask), one per
+    (query run, key run). Pairs entirely above the diagonal are skipped; under zigzag the rest
+    are fully visible (mask None) or the same chunk (CAUSAL), both the fused kernel's cases."""
+    items = []
+    k_runs = _runs(pos_k)
+    for a, b in _runs(pos_q):
+        pq = pos_q[a:b]
+        for c, d in k_runs:
+            pk = pos_k[c:d]
+            if pk[0] > pq[-1]:
+                continue
+            mask = None if pk[-1] <= pq[0] else (pk[None, :] <= pq[:, None])[None]  # [1, sq, sk]
+            if docs_q is not None:
+                same = docs_q[:, a:b, None] == docs_k[:, c:d][:, None, :]  # [b, sq, sk]
+                mask = same if mask is None else same & mask
+            elif mask is not None and torch.equal(pq, pk):
+                mask = CAUSAL
+            items.append((a, b, slice(c, d), mask if mask is None or mask is CAUSAL else mask[:, None, None]))
+    return items
+
+
+CAUSAL = "causal"  # a block mask: query and key chunk hold the same positions (lower triangle)
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _fused(q, mask) -> bool:
+    """CPU blocks with no mask or the plain causal one go through torch's flash kernel, which
+    also returns the log-sum-exp; document masks (rows may be fully masked) take the explicit path."""
+    return q.device.type == "cpu" and (mask is None or mask is CAUSAL)
+
+
+def _heads(q, k):
+    """[b, g, r, s, hd] / [b, g, sk, hd] -> [b, g·r, s, hd] each (kv heads expanded for the kernel)."""
+    b, g, r, s, d = q.shape
+    return q.reshape(b, g * r, s, d), k[:, :, None].expand(b, g, r, *k.shape[2:]).reshape(b, g * r, -1, d)
+
+
+def _causal_mask(mask, q, k):
+    if mask is CAUSAL:
+        return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return mask
+
+
+def _block_fwd(q, k, v, scale, mask):
+    """Attention of q [b, g, r, sq, hd] over k/v [b, g, sk, hd] (r query heads per kv head), float32.
+    Returns the normalised output and its log-sum-exp; a fully masked row gives 0 and -inf, never NaN."""
+    if _fused(q, mask):
+        qh, kh = _heads(q, k)
+        out, lse = _FLASH(qh, kh, _heads(q, v)[1], 0.0, mask is CAUSAL, scale=scale)
+        return out.view(q.shape), lse.view(q.shape[:-1])
+    mask = _causal_mask(mask, q, k)
+    s = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True)
+    out = torch.einsum("bgrqk,bgkd->bgrqd", p, v) / denom.clamp_min(torch.finfo(p.dtype).tiny)
+    return out, (m + denom.log()).squeeze(-1)
+
+
+def _block_bwd(q, k, v, do, out, delta, lse, scale, mask):
+    """Gradients of one block given the final (merged) lse and delta = rowsum(dO·O) (the fused
+    kernel takes the merged output instead and forms delta itself)."""
+    if _fused(q, mask):
+        b, g, r, sq, d = q.shape
+        qh, kh = _heads(q, k)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.reshape(b, g * r, sq, d),
+            qh,
+            kh,
+            _heads(q, v)[1],
+            out.reshape(b, g * r, sq, d),
+            lse.reshape(b, g * r, sq),
+            0.0,
+            mask is CAUSAL,
+            scale=scale,
+        )
+        return dq.reshape(q.shape), dk.reshape(b, g, r, -1, d).sum(2), dv.reshape(b, g, r, -1, d).sum(2)
+    mask = _causal_mask(mask, q, k)
+    s = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe[..., None])  # the block's share of the full softmax
+    dv = torch.einsum("bgrqk,bgrqd->bgkd", p, do)
+    ds = p * (torch.einsum("bgrqd,bgkd->bgrqk", do, v) - delta[..., None])
+    dq = torch.einsum("bgrqk,bgkd->bgrqd", ds, k) * scale
+    dk = torch.einsum("bgrqk,bgrqd->bgkd", ds, q) * scale
+    return dq, dk, dv
+
+
+def _merge(out, lse, a, b, o_blk, lse_blk) -> None:
+    old = lse[..., a:b]
+    new = torch.logaddexp(old, lse_blk)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    out[..., a:b, :] = (
+        out[..., a:b, :] * (old - safe).exp()[..., None] + o_blk * (lse_blk - safe).exp()[..., None]
+    )
+    lse[..., a:b] = new
+
+
+class _RingAttention(torch.autograd.Function):
+    """q [b, g, r, sq, hd], k/v [b, g, sk, hd] float32; works[j]: blocks against ring member j."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group: Group, works: list, stats: RingStats | None):
+        p, me = group.size, group.rank
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v])  # [2, b, g, sk, hd]: one message per step
+        for t in range(p):
+            step = RingStep(kv, group, 1, stats) if t < p - 1 else None  # in flight during compute
+            for a, b, kidx, mask in works[(me - t) % p]:
+                o_blk, lse_blk = _block_fwd(q[..., a:b, :], kv[0][:, :, kidx], kv[1][:, :, kidx], scale, mask)
+                _merge(out, lse, a, b, o_blk, lse_blk)
+            if step is not None:
+                kv = step.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.works, ctx.stats, ctx.scale = group, works, stats, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, works, stats, scale = ctx.group, ctx.works, ctx.stats, ctx.scale
+        p, me = group.size, group.rank
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        incoming = None  # the dK/dV accumulated so far for the block we hold, from the previous rank
+        for t in range(p):
+            step = RingStep(kv, group, 1, stats) if t < p - 1 else None
+            dkv = torch.zeros_like(kv)
+            for a, b, kidx, mask in works[(me - t) % p]:
+                dq_b, dk_b, dv_b = _block_bwd(
+                    q[..., a:b, :],
+                    kv[0][:, :, kidx],
+                    kv[1][:, :, kidx],
+                    dout[..., a:b, :],
+                    out[..., a:b, :],
+                    delta[..., a:b],
+                    lse[..., a:b],
+                    scale,
+                    mask,
+                )
+                dq[..., a:b, :] += dq_b
+                dkv[0][:, :, kidx] += dk_b
+                dkv[1][:, :, kidx] += dv_b
+            if incoming is not None:
+                dkv += incoming.wait()
+            # The block moves on to the next rank, and after p shifts its gradient is home.
+            incoming = RingStep(dkv, group, 2, stats) if p > 1 else None
+            if step is not None:
+                kv = step.wait()
+        dkv = incoming.wait() if incoming is not None else dkv
+        return dq, dkv[0], dkv[1], None, None, None
+
+
+class ContextParallel:
+    """The attention core under context parallelism (see the module docstring).
+
+    cp: the cp group; ulysses / ring: its 2-D split (cp member c = ring index · U + Ulysses index).
+    """
+
+    def __init__(self, impl: str, cp: Group, ulysses: Group, ring: Group, layout: str | None = None):
+        if ulysses.size * ring.size != cp.size:
+            raise ConfigError(
+                f"Ulysses degree {ulysses.size} × ring degree {ring.size} must equal cp={cp.size}"
+            )
+        self.impl, self.cp, self.ulysses, self.ring = impl, cp, ulysses, ring
+        self.layout = layout or default_layout(impl)
+        self.stats = RingStats()
+        self._cache: dict = {}
+
+    def positions(self, seq_len: int, rank: int | None = None) -> torch.Tensor:
+        """Global positions of cp rank `rank`'s tokens (default: this rank) for a full length."""
+        rank = self.cp.rank if rank is None else rank
+        return cp_positions(seq_len, self.cp.size, rank, self.layout)
+
+    def _ring_positions(self, seq_len: int) -> list[torch.Tensor]:
+        """Positions after the Ulysses all-to-all: ring member j holds its Ulysses group's tokens."""
+        u = self.ulysses.size
+        return [
+            torch.cat([self.positions(seq_len, j * u + i) for i in range(u)]) for j in range(self.ring.size)
+        ]
+
+    def _full_docs(self, doc_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Every cp rank's document ids [b, s/cp] -> the full sequence's [b, seq]."""
+        parts = gather_ints(doc_ids, self.cp)  # [cp, b, s/cp]
+        full = doc_ids.new_empty(doc_ids.shape[0], seq_len)
+        for c in range(self.cp.size):
+            full[:, self.positions(seq_len, c).to(full.device)] = parts[c]
+        return full
+
+    def __call__(self, q, k, v, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, h, _ = q.shape
+        seq = s * self.cp.size
+        docs = None if doc_ids is None else self._full_docs(doc_ids, seq)
+        u = self.ulysses.size
+        if u > 1:
+            if h % u:
+                raise ConfigError(
+                    f"{h} attention heads (per tp rank) do not split over a Ulysses degree of {u}"
+                )
+            rep = kv_replication(h, k.shape[2], u)
+            k, v = _expand_kv(k, rep), _expand_kv(v, rep)
+            q, k, v = (seq_to_heads(t, self.ulysses) for t in (q, k, v))
+        pos = self._ring_positions(seq)
+        if self.ring.size == 1:
+            out = _local_attention(q, k, v, pos[0], None if docs is None else docs[:, pos[0]])
+        else:
+            out = self._ring_attention(q, k, v, pos, docs)
+        return heads_to_seq(out, self.ulysses) if u > 1 else out
+
+    def _ring_attention(self, q, k, v, pos: list[torch.Tensor], docs) -> torch.Tensor:
+        b, sq, h, d = q.shape
+        g = k.shape[2]
+        me = self.ring.rank
+        # The block plan depends only on the layout unless documents are packed.
+        works = self._cache.get(sq) if docs is None else None
+        if works is None:
+            pick = (lambda j: None) if docs is None else (lambda j: docs[:, pos[j]])  # noqa: E731
+            works = [_work(pos[me], pos[j], pick(me), pick(j)) for j in range(len(pos))]
+            if docs is None:
+                self._cache[sq] = works
+        q5 = q.float().view(b, sq, g, h // g, d).permute(0, 2, 3, 1, 4)  # [b, g, r, sq, hd]
+        k4, v4 = (t.float().permute(0, 2, 1, 3) for t in (k, v))  # [b, g, sk, hd]
+        out = _RingAttention.apply(q5, k4.contiguous(), v4.contiguous(), self.ring, works, self.stats)
+        return out.permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).to(q.dtype)
+
+
+def _local_attention(q, k, v, pos: torch.Tensor, docs) -> torch.Tensor:
+    """Full-sequence attention after the Ulysses all-to-all; tokens come in layout order, so they
+    are put in position order first and SDPA's causal path (or a document mask) applies."""
+    ordered = bool((pos[1:] > pos[:-1]).all())
+    if not ordered:
+        order = pos.argsort().to(q.device)
+        q, k, v = (t.index_select(1, order) for t in (q, k, v))
+        docs = None if docs is None else docs.index_select(1, order)
+    k, v = _expand_kv(k, q.shape[2] // k.shape[2]), _expand_kv(v, q.shape[2] // v.shape[2])
+    mask = None
+    if docs is not None:
+        n = docs.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=docs.device).tril()
+        mask = (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]  # [b, 1, seq, seq]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
+    ).transpose(1, 2)
+    if not ordered:
+        out = out.index_select(1, order.argsort())
+    return out
+
+
+def context_parallel(
+    mesh: Mesh, impl: str, cp_ulysses: int = 1, layout: str | None = None
+) -> ContextParallel:
+    """The core for this rank of `mesh` (collective over the world for hybrid: it makes groups)."""
+    cp = mesh["cp"]
+    if impl not in IMPLS:
+        raise ConfigError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLS)}")
+    single = mesh.ctx.single("cp_single")
+    if impl == "ulysses":
+        return ContextParallel(impl, cp, cp, single, layout)
+    if impl == "ring":
+        return ContextParallel(impl, cp, single, cp, layout)
+    u = cp_ulysses
+    if u < 1 or cp.size % u:
+        raise ConfigError(f"parallel.cp_ulysses={u} must divide parallel.cp={cp.size}")
+    parts = mesh.dims.partitions()["cp"]
+    inner = mesh.ctx.split([p[j * u : (j + 1) * u] for p in parts for j in range(len(p) // u)], "cp_ulysses")
+    outer = mesh.ctx.split([p[i::u] for p in parts for i in range(u)], "cp_ring")
+    return ContextParallel(impl, cp, inner, outer, layout)
+
+
+def apply_context_parallel(model: nn.Module, core, pattern: str = "*attention") -> int:
+    """Swap `core` into every module matching `pattern` that has an attention core; returns how many."""
+    n = 0
+    for name, mod in model.named_modules():
+        if hasattr(mod, "core") and fnmatch.fnmatch(name, pattern):
+            mod.core = core
+            n += 1
+    if n == 0:
+        raise ConfigError(f"context parallelism found no attention core matching {pattern!r} in the model")
+    return n

@@ -1,0 +1,177 @@
+"""Expert parallelism: the routed experts of an MoE layer split over an ep group.
+
+Each ep member holds a block of experts (Shard(0) of the stacked [E, ...] weights, tagged
+"ep" so checkpoints reshard across ep sizes) and its own tokens (ep ranks are data-parallel
+ranks: different samples). Per layer:
+
+  route (replicated router) -> sort slots by expert -> exchange counts -> all-to-all with
+  uneven splits -> local experts (grouped matmul or loop) -> all-to-all back -> un-sort ->
+  weight by router probabilities (+ shared expert, which needs no communication).
+
+Dropless: every slot reaches its expert. A member that receives no tokens still joins both
+all-to-alls (with zero rows) and its experts get zero gradients, so nothing hangs.
+
+Gradients: expert gradients on a member are complete for the tokens of the whole ep group
+(the backward all-to-all brings every source's contribution). Router, shared-expert and
+input gradients are this member's tokens only, like any data-parallel gradient: the usual
+dp reduction sums them. Expert gradients must only be reduced over the expert-data-parallel
+group (members holding the same experts): see `expert_params`.
+
+The alternative all-gather dispatcher gathers every member's tokens, runs the local experts
+on the slots routed to them, and reduce-scatters partial outputs back (for small ep, where
+all-to-all's split bookkeeping costs more than the extra bytes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.comm.placement import Shard, shard_parameter, sharding_of
+
+from . import expert_comm as xc
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+class ExpertParallelMoE(nn.Module):
+    """An MoE layer (meshspeed.models.moe.MoE, duck-typed: parallel never imports models) with
+    its routed experts split over `group`. Same outputs and (after the dp reduction) the
+    same gradients as the single-device layer on the concatenated tokens of all members."""
+
+    def __init__(
+        self, moe: nn.Module, group, dispatcher: str = "alltoall", capacity_factor: float | None = None
+    ):
+        super().__init__()
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"moe.dispatcher={dispatcher!r} is not known; valid: {', '.join(DISPATCHERS)}")
+        n_experts = moe.n_experts
+        # An ep that leaves a member without experts is shard_tensor's one-line error (valid ep listed).
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"moe.capacity_factor={capacity_factor!r} must be > 0 (or unset: dropless)")
+        if capacity_factor is not None and dispatcher != "alltoall":
+            raise ValueError(f"moe.capacity_factor needs moe.dispatcher='alltoall', not {dispatcher!r}")
+        self.group, self.dispatcher, self.capacity_factor = group, dispatcher, capacity_factor
+        self.n_experts, self.top_k = n_experts, moe.top_k
+        self.aux_loss_coef, self.z_loss_coef = moe.aux_loss_coef, moe.z_loss_coef
+        self.router = moe.router
+        self.experts = moe.experts
+        for name in ("w1", "w2", "w3"):  # [E, ...] -> [local_experts, ...]
+            setattr(self.experts, name, shard_parameter(getattr(self.experts, name), "ep", Shard(0), group))
+        self.shared_expert = moe.shared_expert
+        self.bounds = xc.expert_bounds(n_experts, group.size)
+        self.load_balance_loss = self.z_loss = self.tokens_per_expert = None
+        # Reuse the single-device layer's loss bookkeeping (same formulas, this member's tokens).
+        self._record_router = moe._record_router.__func__.__get__(self)
+        self.aux_loss = moe.aux_loss.__func__.__get__(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [tokens, dim], this member's tokens
+        weights, experts, logits = self.router(x)
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # [E]
+        self._record_router(logits, counts)
+        if self.dispatcher == "alltoall":
+            out = self._alltoall(x, weights, experts, counts)
+        else:
+            out = self._allgather(x, weights, experts)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out.view(shape)
+
+    def _alltoall(self, x, weights, experts, counts) -> torch.Tensor:
+        n_tokens, k = experts.shape
+        order = experts.flatten().argsort(stable=True)  # [tokens*k] slots sorted by expert
+        if self.capacity_factor is not None:
+            order, counts = self._drop_overflow(order, experts.flatten(), counts, n_tokens * k)
+        all_counts = xc.exchange_counts(counts, self.group)  # [ep, E]
+        send, recv, runs = xc.splits(all_counts, self.bounds, self.group.rank)
+        # Slots sorted by expert are already grouped by destination member (experts are blocks).
+        received = xc.dispatch(x[order // k], self.group, send, recv)  # [recv_total, dim]
+        perm = xc.source_to_expert_order(runs)  # received row -> expert-major position
+        y = self.experts(received[perm], runs.sum(0))  # [recv_total, dim], expert-major
+        y = y[_inverse(perm)]  # back to source-major, as received
+        y_sorted = xc.combine(y, self.group, send, recv)  # [kept slots, dim] in `order`
+        # dropped slots stay zero (they pass through the residual only)
+        y = y_sorted.new_zeros(n_tokens * k, y_sorted.shape[-1]).index_copy(0, order, y_sorted)
+        y = y.view(n_tokens, k, -1)
+        return (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+
+    def _drop_overflow(self, order, flat_experts, counts, n_slots):
+        """Keep the first `capacity` slots of each expert in token order (this rank's tokens,
+        capacity = ceil(capacity_factor * slots / n_experts), as Switch/GShard); drop the rest."""
+        cap = math.ceil(self.capacity_factor * n_slots / self.n_experts)
+        se = flat_experts[order]  # expert of each sorted slot
+        starts = torch.cumsum(counts, 0) - counts  # [E] first sorted position of each expert
+        keep = torch.arange(order.numel(), device=order.device) - starts[se] < cap
+        return order[keep], counts.clamp(max=cap)
+
+    def _allgather(self, x, weights, experts) -> torch.Tensor:
+        n_tokens, k = experts.shape
+        sizes = [n_tokens] * self.group.size  # every member passes a batch of the same shape
+        xs = xc.gather_tokens(x, self.group, sizes)  # [all tokens, dim]
+        ws = xc.gather_tokens(weights, self.group, sizes)  # [all tokens, k]
+        es = xc.gather_tokens(experts, self.group, sizes) if self.group.size > 1 else experts
+        lo, hi = self.bounds[self.group.rank], self.bounds[self.group.rank + 1]
+        flat = es.flatten()
+        mine = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)  # my slots, in slot order
+        local_e = flat[mine] - lo
+        order = local_e.argsort(stable=True)
+        slots = mine[order]  # [my slots] sorted by local expert
+        counts = torch.bincount(local_e, minlength=hi - lo)
+        y = self.experts(xs[slots // k], counts) * ws.flatten()[slots].unsqueeze(-1).to(xs.dtype)
+        out = torch.zeros_like(xs).index_add(0, slots // k, y)  # partial: my experts only
+        return xc.reduce_tokens(out, self.group)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def expert_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(expert parameters split over ep, all other parameters): the first list is reduced over
+    the expert-data-parallel group (mesh "edp"), the second over the whole dp × cp group."""
+    expert, other = [], []
+    for p in model.parameters():
+        s = sharding_of(p)
+        (expert if s is not None and any(d == "ep" for d, _ in s.axes) else other).append(p)
+    return expert, other
+
+
+def expert_parallel(
+    model: nn.Module, group, dispatcher: str = "alltoall", capacity_factor: float | None = None
+) -> nn.Module:
+    """Replace every MoE layer of `model` (modules with `experts` and `router`) in place by
+    its ExpertParallelMoE over `group`; returns the model."""
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if hasattr(m, "experts") and hasattr(m, "router") and not isinstance(m, ExpertParallelMoE)
+    ]
+    for name, m in targets:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, ExpertParallelMoE(m, group, dispatcher, capacity_factor))
+    return model
+
+
+def sync_grads(model: nn.Module, mesh) -> None:
+    """Plain (unbucketed) gradient reduction for an expert-parallel model whose ranks each took
+    the mean loss of their own tokens: the result is the gradient of the mean over all dp × cp
+    ranks. Other parameters: average over "dp_cp". Expert parameters already hold the sum over
+    their ep group's tokens, so they are summed over "edp" (the ranks holding the same experts)
+    and divided by the dp × cp size. DataParallel/ZeRO over "edp" is the bucketed equivalent."""
+    expert, other = expert_params(model)
+    dp_cp = mesh["dp_cp"]
+    for p in other:
+        if p.grad is not None:
+            comm.all_reduce(p.grad, dp_cp, op="avg")
+    for p in expert:
+        if p.grad is not None:
+            comm.all_reduce(p.grad, mesh["edp"], op="sum")
+            p.grad.div_(dp_cp.size)
