@@ -243,6 +243,17 @@ class SparsitySection:
 
 
 @dataclass
+class MemorySection:
+    recompute: str = opt(
+        "none",
+        "recompute in backward instead of keeping (exact): activation (the SwiGLU product), "
+        "selective (+ the attention core), full (whole blocks keep only their input)",
+        ("none", "activation", "selective", "full"),
+    )
+    recompute_layers: int = opt(0, "recompute only the first N blocks of each pipeline stage (0 = all)")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -251,6 +262,7 @@ class Config:
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     sparsity: SparsitySection = field(default_factory=SparsitySection)
+    memory: MemorySection = field(default_factory=MemorySection)
     nproc: int = opt(4, "local worker processes to spawn when not launched by torchrun")
 
     def to_dict(self) -> dict:
@@ -370,6 +382,7 @@ def validate(cfg: Config) -> None:
         ("train.eval_interval", t.eval_interval),
         ("run.timeout", cfg.run.timeout),
         ("train.weight_decay", t.weight_decay),
+        ("memory.recompute_layers", cfg.memory.recompute_layers),
     ]:
         if not value >= 0:
             raise ConfigError(f"{key}={value} must be ≥ 0")

@@ -37,9 +37,8 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     if p.zero >= 1:
         opt = -(-opt // dp)
     s, mb, h, tp = t.seq_len, t.micro_batch_size, model.dim, dims.tp
-    mem = getattr(cfg, "memory", None)  # the [memory] section, once the config has one
-    mode = getattr(mem, "recompute", "none")
-    recompute_layers = getattr(mem, "recompute_layers", None)
+    mode = cfg.memory.recompute
+    recompute_layers = cfg.memory.recompute_layers or None  # 0: every layer
     shape = dict(
         tokens=s * mb,
         dim=h,

@@ -21,6 +21,7 @@ from meshspeed import comm
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
 from meshspeed.kernels.fused import triton_usable
+from meshspeed.memory import apply_recompute
 from meshspeed.models import recipe_for
 from meshspeed.models.flops import flops_per_token
 from meshspeed.models.layers import set_fused_kernels
@@ -113,6 +114,9 @@ class Trainer:
             set_fused_kernels(self.model, True)
         if self.cp is not None:
             apply_context_parallel(self.model, self.cp)
+        # after the cp core is in: selective recompute wraps whichever attention core runs
+        m = cfg.memory
+        apply_recompute(self.model, m.recompute, m.recompute_layers or None, self.recipe.pipeline.layers)
         if init_weights:  # before the optimizer copies the weights into its masters
             ckpt.load_checkpoint(init_weights, self.model, None, self.mesh, strict=False, restore_rng=False)
         self.dp, self.opt = build_data_parallel(
