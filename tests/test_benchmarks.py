@@ -67,6 +67,7 @@ def test_train_step_benchmark_runs(tmp_path):
     assert {"dp=2 zero=0", "dp=2 zero=2", "dp=1 tp=2", "dp=1 tp=2 sp"} <= configs
 
 
+@pytest.mark.slow  # 4 ranks building a model: the born-sharded storage check runs in test_tensor.py
 def test_build_memory_benchmark_runs(tmp_path):
     """benchmarks/build_memory.py end to end on a ~25 MB model (2 ranks, one job per mode): it
     prints its table and writes its figures; the old path holds the whole fp32 model on every

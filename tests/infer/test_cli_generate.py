@@ -29,6 +29,7 @@ def run(hf_dir, out, *extra):
     return json.load(open(out))["outputs"]
 
 
+@pytest.mark.slow  # three CLI launches; test_parallel_generate compares the same layouts token for token
 def test_layouts_write_the_same_json(hf_dir, tmp_path, capsys):
     solo = run(hf_dir, tmp_path / "solo.json")
     assert [o["prompt"] for o in solo] == PROMPTS and all(len(o["token_ids"]) == 5 for o in solo)

@@ -33,11 +33,11 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize(
     "layout",
     [
-        ["--nproc", "1", "--parallel.tp", "1"],
-        ["--nproc", "2", "--parallel.tp", "2"],
         ["--nproc", "4", "--parallel.tp", "2", "--parallel.pp", "2"],
+        pytest.param(["--nproc", "1", "--parallel.tp", "1"], marks=pytest.mark.slow),
+        pytest.param(["--nproc", "2", "--parallel.tp", "2"], marks=pytest.mark.slow),
     ],
-    ids=["one process", "tp2", "tp2xpp2"],
+    ids=["tp2xpp2", "one process", "tp2"],
 )
 def test_eval_equals_the_trainers_validation_loss(trained, layout):
     d, val_loss = trained
