@@ -232,6 +232,11 @@ TRAIN_LAYOUTS = [
     ),
     ("cp2-tp2", 4, [("parallel.tp", "2"), ("parallel.cp", "2"), ("parallel.cp_impl", "ring")]),
     (
+        "cp2-dp2-zero1",
+        4,
+        [("parallel.tp", "1"), ("parallel.cp", "2"), ("parallel.zero", "1"), ("parallel.cp_impl", "ring")],
+    ),
+    (
         "cp2-pp2-ring",
         4,
         [("parallel.tp", "1"), ("parallel.pp", "2"), ("parallel.cp", "2"), ("parallel.cp_impl", "ring")],
