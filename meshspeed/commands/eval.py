@@ -46,14 +46,13 @@ def run(args) -> int:
     from meshspeed.comm import ConfigError, launch, launched
     from meshspeed.infer.evaluate import eval_config, worker
     from meshspeed.train import config
-    from meshspeed.train.plan import make_plan
+    from meshspeed.train.plan import make_plan, world_size
 
     quiet = launched() and os.environ.get("RANK", "0") != "0"
     try:
         overrides = config.overrides_from_args(args)
         cfg = eval_config(args.checkpoint, args.config, overrides)
-        world = int(os.environ.get("WORLD_SIZE", cfg.nproc)) if launched() else cfg.nproc
-        plan = make_plan(cfg, world, ranks=False)  # every check, before any worker starts
+        plan = make_plan(cfg, world_size(cfg), ranks=False)  # every check, before any worker starts
     except ConfigError as err:
         if not quiet:
             print(f"meshspeed eval: {err}", file=sys.stderr)

@@ -60,17 +60,11 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _world_size(cfg) -> int:
-    from meshspeed.comm import launched
-
-    return int(os.environ.get("WORLD_SIZE", cfg.nproc)) if launched() else cfg.nproc
-
-
 def run(args) -> int:
     from meshspeed.comm import ConfigError, launch, launched
     from meshspeed.train import config
     from meshspeed.train.job import prepare_run_dir, worker
-    from meshspeed.train.plan import describe, make_plan
+    from meshspeed.train.plan import describe, make_plan, world_size
 
     if args.json and not args.dry_run:
         print("meshspeed train: --json prints the plan of --dry-run; add --dry-run", file=sys.stderr)
@@ -80,7 +74,7 @@ def run(args) -> int:
         cfg = config.load(args.config, config.overrides_from_args(args))
         # The whole run, resolved and checked once, before any worker starts (under torchrun,
         # in each rank before it joins the job): a bad setting costs one line.
-        plan = make_plan(cfg, _world_size(cfg), ranks=args.dry_run)
+        plan = make_plan(cfg, world_size(cfg), ranks=args.dry_run)
         if args.dry_run:
             if not quiet:
                 print(json.dumps(plan.to_dict()) if args.json else describe(plan))

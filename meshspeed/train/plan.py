@@ -225,6 +225,13 @@ def rank_params(recipe, dims: ParallelDims, layouts, sequence_parallel: bool) ->
 # --- the plan ---------------------------------------------------------------------------------
 
 
+def world_size(cfg) -> int:
+    """The world the plan is for: torchrun's WORLD_SIZE under torchrun, else `nproc` workers."""
+    from meshspeed.comm import launched
+
+    return int(os.environ.get("WORLD_SIZE", cfg.nproc)) if launched() else cfg.nproc
+
+
 def make_plan(cfg, world_size: int, *, ranks: bool = True) -> RunPlan:
     """Resolve and check the whole run for `world_size` ranks. `ranks=False` skips the per-rank
     table (a worker that was handed no plan needs only the layout and the model)."""
