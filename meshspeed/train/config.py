@@ -8,265 +8,30 @@ the value and what would be valid.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any, get_type_hints
 
 from meshspeed.comm.errors import ConfigError
-from meshspeed.parallel.pipeline.schedules import SCHEDULES as PP_SCHEDULES
+from meshspeed.train.config_sections import (  # noqa: F401  (re-exported: callers use config.X)
+    CheckpointSection,
+    Config,
+    DataSection,
+    MemorySection,
+    ModelSection,
+    ParallelSection,
+    RunSection,
+    SparsitySection,
+    TrainSection,
+    opt,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
-
-
-def opt(default: Any, help: str, choices: tuple | None = None):
-    """A config field with its help text (and the values it accepts, when it is a choice)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
-@dataclass
-class ModelSection:
-    preset: str = opt("tiny", "model preset (see meshspeed.models.preset_names())")
-    n_layers: int = opt(0, "override the preset's layer count (0 = keep)")
-    dim: int = opt(0, "override the preset's hidden size (0 = keep)")
-    n_heads: int = opt(0, "override the preset's attention heads (0 = keep)")
-    n_kv_heads: int = opt(0, "override the preset's key/value heads (0 = keep)")
-    init_from: str = opt(
-        "",
-        "start from this Hugging Face model directory (config.json + safetensors; "
-        "each rank reads only its slices) or meshspeed checkpoint: architecture and "
-        "weights come from it and model.preset is not used",
-    )
-
-    def overrides(self) -> dict:
-        return {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads") if (v := getattr(self, k))}
-
-
-@dataclass
-class ParallelSection:
-    dp: int = opt(0, "data-parallel degree (0 = whatever the world size leaves after tp and pp)")
-    tp: int = opt(2, "tensor-parallel degree (innermost: keep it inside a node)")
-    pp: int = opt(1, "pipeline-parallel degree")
-    sequence_parallel: bool = opt(False, "shard norm/dropout activations along the sequence over tp")
-    zero: int = opt(0, "ZeRO stage: 0 off, 1 shard optimizer state, 2 also shard gradients", (0, 1, 2))
-    zero_prefetch: bool = opt(
-        False,
-        "ZeRO 1/2: gather the updated parameters during the next forward, bucket by bucket, "
-        "instead of blocking at the end of the step (exact; off while sparsity is on)",
-    )
-    bucket_mb: float = opt(25.0, "gradient bucket size for overlapped data-parallel reduction (MB)")
-    vpp: int = opt(
-        1, "model chunks (virtual pipeline stages) per pipeline rank; ≥ 2 for the interleaved schedules"
-    )
-    pp_schedule: str = opt(
-        "1f1b", "pipeline schedule (see `meshspeed pipeline show --help`)", tuple(PP_SCHEDULES)
-    )
-    pp_layout: str = opt(
-        "", "layers per pipeline stage, e.g. 'E,t*8|t*8|t*8|t*7,L' or '8,8,8,7' (empty = even split)"
-    )
-    pp_trace: bool = opt(
-        False,
-        "record the last step's pipeline timeline: run.dir/pp_trace.json + PNGs, measured next to simulated",
-    )
-    cp: int = opt(1, "context-parallel degree: ranks sharing each sequence inside attention")
-    cp_impl: str = opt(
-        "ring",
-        "context parallelism: ulysses (all-to-all, heads/tp must divide by cp), ring (any heads; "
-        "zigzag causal split), hybrid (Ulysses over cp_ulysses ranks, ring across)",
-        ("ulysses", "ring", "hybrid"),
-    )
-    cp_ulysses: int = opt(1, "Ulysses degree inside each ring step (cp_impl=hybrid); must divide cp")
-    tp_overlap: bool = opt(
-        False,
-        "hide the sequence-parallel all-gather / reduce-scatter behind the column / row-parallel "
-        "matmuls, chunk by chunk (needs sequence_parallel; exact)",
-    )
-    tp_overlap_chunks: int = opt(0, "chunks per rank's sequence block for tp_overlap (0 = cost model)")
-
-
-@dataclass
-class TrainSection:
-    steps: int = opt(300, "optimizer steps")
-    seed: int = opt(0, "seed for initialisation and data order (layout independent)")
-    dtype: str = opt(
-        "float32", "parameter/compute dtype; bfloat16 keeps fp32 master weights", ("float32", "bfloat16")
-    )
-    global_batch_size: int = opt(16, "sequences per optimizer step, whatever the layout")
-    micro_batch_size: int = opt(4, "sequences per forward/backward on one rank")
-    seq_len: int = opt(128, "tokens per sequence")
-    lr: float = opt(3e-3, "peak learning rate")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr (cosine decay)")
-    warmup_steps: int = opt(20, "linear warmup steps")
-    weight_decay: float = opt(0.1, "decoupled AdamW weight decay")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.95, "AdamW beta2")
-    grad_clip: float = opt(1.0, "global gradient-norm clip (0 = off)")
-    eval_interval: int = opt(50, "steps between validation-loss measurements (0 = only at the end)")
-    eval_batches: int = opt(4, "validation batches (of global_batch_size sequences) per measurement")
-    exit_interval: int = opt(
-        0,
-        "save a checkpoint and exit when the step is a multiple of this, before "
-        "train.steps (0 = never); resume later with --checkpoint.resume latest",
-    )
-    max_bad_steps: int = opt(
-        5,
-        "a step whose loss or gradient norm is not finite is skipped (no update, "
-        "counted in metrics.jsonl); this many in a row stop the run with an error",
-    )
-    fused_kernels: bool = opt(
-        False,
-        "RMSNorm and SwiGLU through meshspeed's Triton kernels (CUDA; on CPU only under "
-        "TRITON_INTERPRET=1, which is for tests)",
-    )
-    peak_tflops: float = opt(
-        0.0,
-        "peak TFLOP/s of one device for MFU (0 = table of known GPUs; on CPU or an unlisted GPU "
-        "MFU is reported as n/a)",
-    )
-
-
-@dataclass
-class DataSection:
-    path: str = opt("", "text file/dir or token file; empty = the Python standard library's sources")
-    format: str = opt("text", "how to read data.path", ("text", "uint16", "uint32"))
-    max_mb: float = opt(8.0, "cap on the embedded corpus size (MB), to keep its first build quick")
-    tokenizer: str = opt(
-        "bytes",
-        "'bytes' (token = byte, vocabulary 256) or a Hugging Face tokenizer: a "
-        "directory holding tokenizer.json, or the file; its vocabulary must fit the "
-        "model's",
-    )
-    packing: bool = opt(
-        False,
-        "per-document attention in each sequence: a token after the tokenizer's end-of-text "
-        "separator starts a new document (attention does not cross it, positions restart)",
-    )
-
-
-@dataclass
-class RunSection:
-    dir: str = opt("runs/tiny", "where metrics.jsonl, plots and checkpoints go")
-    log_interval: int = opt(10, "steps between progress lines when the output is not a terminal")
-    timeout: float = opt(
-        0.0,
-        "seconds any collective on any group may wait before the run fails naming the "
-        "missing ranks (0 = $MESHSPEED_TIMEOUT, else 300)",
-    )
-    overwrite: bool = opt(
-        False,
-        "start fresh in a run.dir that already holds checkpoints or metrics, "
-        "deleting them (without it such a run.dir is refused unless resuming); "
-        "after a torchrun restart it resumes instead: a restart never deletes "
-        "progress",
-    )
-
-
-@dataclass
-class CheckpointSection:
-    interval: int = opt(0, "steps between checkpoints (0 = only at the end of training)")
-    resume: str = opt(
-        "",
-        "resume from 'latest' (the newest checkpoint in run.dir that verifies; an "
-        "error if none), 'auto' (the same, or a fresh start when run.dir has none: for "
-        "restarts) or a checkpoint directory (an error if it does not verify)",
-    )
-    keep: int = opt(3, "checkpoints to keep (older ones are deleted)")
-    export_safetensors: bool = opt(False, "also export the final model to model.safetensors")
-    export_hf: bool = opt(
-        False,
-        "also export the final model as a Hugging Face directory run.dir/hf "
-        "(config.json, safetensors shards + index, the tokenizer's files) that "
-        "from_pretrained loads",
-    )
-
-
-@dataclass
-class SparsitySection:
-    pattern: str = opt(
-        "none", "sparse training: 'none' (dense), '2:4', 'unstructured' or any 'N:M' (1:4, 4:8...)"
-    )
-    target: float = opt(
-        0.0, "global sparsity at the end of the ramp (0 = the pattern's: 1 - N/M, or 0.9 unstructured)"
-    )
-    schedule: str = opt(
-        "constant", "how the global target evolves after warmup", ("constant", "cosine", "cubic")
-    )
-    update_interval: int = opt(100, "steps between mask updates (RigL's delta T)")
-    method: str = opt(
-        "magnitude",
-        "mask update: re-pick top |W|; RigL/SET drop-and-grow (unstructured only); "
-        "SR-STE decay of pruned weights",
-        ("magnitude", "rigl", "set", "sr-ste"),
-    )
-    layers: str = opt(
-        "layers.*.w?",
-        "weights to sparsify: comma-separated globs over linear-module / expert-weight "
-        "names, or 're:<regex>' (default: attention, MLP and expert projections)",
-    )
-    warmup_steps: int = opt(0, "steps trained dense before masks apply")
-    ramp_steps: int = opt(0, "length of the cosine/cubic ramp (0 = half of train.steps)")
-    initial: float = opt(0.0, "sparsity where the cosine/cubic ramp starts")
-    dense_finish_steps: int = opt(0, "last steps of training run dense again")
-    distribution: str = opt("uniform", "per-layer unstructured sparsity before adapters", ("uniform", "erk"))
-    adapter: str = opt(
-        "none",
-        "per-layer adapter moving sparsity between layers within the global budget",
-        ("none", "magnitude", "gradient", "sensitivity"),
-    )
-    drop_fraction: float = opt(
-        0.3, "RigL/SET: fraction of active weights dropped and regrown per update (cosine-annealed)"
-    )
-    sr_ste_lambda: float = opt(-1.0, "SR-STE decay of pruned weights (< 0 = 2e-4 for method sr-ste, else 0)")
-    transposable: bool = opt(
-        True, "2:4 masks that are 2:4 along both dims (sparse input-gradient matmul too)"
-    )
-    async_masks: bool = opt(
-        False,
-        "compute each mask update in the background from a snapshot of the update step's weights "
-        "and apply it one step later (same masks, same losses whatever the layout or timing)",
-    )
-    pattern_schedule: str = opt(
-        "",
-        "elastic N:M: 'step:N:M,...' (e.g. '0:1:4,200:2:4'), the first at step 0 equal to "
-        "sparsity.pattern; masks are re-derived at each change ('' = the pattern stays)",
-    )
-    sparse_grad_comm: bool = opt(
-        False,
-        "data-parallel gradient reduction sends only the kept values of masked weights between mask "
-        "updates (masked positions then get no gradient); dense at update steps",
-    )
-
-
-@dataclass
-class MemorySection:
-    recompute: str = opt(
-        "none",
-        "recompute in backward instead of keeping (exact): activation (the SwiGLU product), "
-        "selective (+ the attention core), full (whole blocks keep only their input)",
-        ("none", "activation", "selective", "full"),
-    )
-    recompute_layers: int = opt(0, "recompute only the first N blocks of each pipeline stage (0 = all)")
-
-
-@dataclass
-class Config:
-    model: ModelSection = field(default_factory=ModelSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    data: DataSection = field(default_factory=DataSection)
-    run: RunSection = field(default_factory=RunSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    sparsity: SparsitySection = field(default_factory=SparsitySection)
-    memory: MemorySection = field(default_factory=MemorySection)
-    nproc: int = opt(4, "local worker processes to spawn when not launched by torchrun")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 SECTIONS = {name: typ for name, typ in get_type_hints(Config).items() if name != "nproc"}
