@@ -101,8 +101,14 @@ def check(group: GroupView, seq: int, sig: dict, timeout_s: float) -> None:
         raise DesyncError(f"meshspeed: desync on group {group.name}: {msg}")
 
 
-def diagnose_timeout(group: GroupView, seq: int, desc: str, timeout_s: float) -> CollectiveTimeout:
+def diagnose_timeout(
+    group: GroupView, seq: int, desc: str, timeout_s: float, cause: str = ""
+) -> CollectiveTimeout:
     """Build the timeout error after a collective stalled; names who never arrived.
+
+    `cause`: set when the wait ended early because a peer closed its connection (the backend's
+    words). Under load a peer whose deadline passed first gives up and leaves; the ranks still
+    waiting on it must report the same cause (who never arrived), not a socket error.
 
     Bounded: the store lives in one process (rank 0's, or torchrun's agent), and if that
     process is the one that stopped answering (SIGSTOP, a frozen host) every store call would
@@ -111,7 +117,7 @@ def diagnose_timeout(group: GroupView, seq: int, desc: str, timeout_s: float) ->
     answer instead of waiting for it."""
     store, me, n = group.store, group.rank, group.size
     if store is None:
-        return _timeout_error(group, seq, desc, timeout_s, None, "")
+        return _timeout_error(group, seq, desc, timeout_s, None, "", cause)
     keys = [f"stuck/{seq}/{m}" for m in range(n)]
     # Members that arrived time out within their arrival skew of each other; wait that long.
     grace = min(max(1.0, 0.5 * timeout_s), 10.0)
@@ -135,15 +141,21 @@ def diagnose_timeout(group: GroupView, seq: int, desc: str, timeout_s: float) ->
     worker.start()
     worker.join(grace + 5.0)
     present = found[0] if found else None
-    return _timeout_error(group, seq, desc, timeout_s, present, "")
+    return _timeout_error(group, seq, desc, timeout_s, present, "", cause)
 
 
-def _timeout_error(group, seq, desc, timeout_s, present, when) -> CollectiveTimeout:
+def _timeout_error(group, seq, desc, timeout_s, present, when, cause: str = "") -> CollectiveTimeout:
     gr = group.ranks
-    head = (
-        f"meshspeed: {desc} on group {group.name} at seq {seq} timed out after {timeout_s:g}s "
-        f"{when + ' ' if when else ''}on rank {gr[group.rank]}"
-    )
+    if cause:  # a peer left before our own deadline: most likely its deadline passed first
+        head = (
+            f"meshspeed: {desc} on group {group.name} at seq {seq} failed on rank {gr[group.rank]}: "
+            f"a peer closed its connection ({cause}): it died, or gave up after its own {timeout_s:g}s"
+        )
+    else:
+        head = (
+            f"meshspeed: {desc} on group {group.name} at seq {seq} timed out after {timeout_s:g}s "
+            f"{when + ' ' if when else ''}on rank {gr[group.rank]}"
+        )
     if present is None:
         who = (
             ": the rendezvous store did not answer, so the missing ranks are unknown (is rank 0, or "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,11 +27,32 @@ from meshspeed.comm.trace import FlightRecorder, describe
 
 
 class Stall(Exception):
-    """Raised inside an algorithm when a point-to-point transfer passes its deadline."""
+    """Raised inside an algorithm when a point-to-point transfer passes its deadline, or when a
+    peer dropped its connection (`cause`: the backend's words) — usually because that peer's
+    own deadline passed first and it gave up. Both are diagnosed the same way: who never
+    arrived is what the user needs, not the backend's socket error."""
+
+    def __init__(self, cause: str = ""):
+        super().__init__(cause)
+        self.cause = cause
+
+
+# gloo's words when the other end of a pair went away mid-transfer.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 def _is_timeout(err: BaseException) -> bool:
     return isinstance(err, (Stall, concurrent.futures.TimeoutError)) or "timed out" in str(err).lower()
+
+
+def _peer_lost(err: BaseException) -> str:
+    """The backend's words (source location and advice cut) if `err` says a peer closed its
+    connection, else ''."""
+    text = str(err).strip()
+    if not any(k in text.lower() for k in _PEER_LOST):
+        return ""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])  # gloo's "[.../pair.cc:553] "
+    return text.split(". ")[0][:160]
 
 
 def wait_work(work, deadline: float, plain: bool = False) -> None:
@@ -48,8 +70,12 @@ def wait_work(work, deadline: float, plain: bool = False) -> None:
         else:
             work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.05)))
     except BaseException as err:
-        if _is_timeout(err) and not isinstance(err, CollectiveTimeout):
+        if isinstance(err, CollectiveTimeout):
+            raise
+        if _is_timeout(err):
             raise Stall() from None
+        if cause := _peer_lost(err):
+            raise Stall(cause) from None
         raise
 
 
@@ -108,9 +134,11 @@ class Handle:
         try:
             for w in self._pending:
                 wait_work(w, deadline, self._group.plain_wait)
-        except Stall:
+        except Stall as stall:
             FlightRecorder.finish(self._entry, "timed_out")
-            raise desync.diagnose_timeout(self._group, self._seq, self._desc(), ctx.timeout_s) from None
+            raise desync.diagnose_timeout(
+                self._group, self._seq, self._desc(), ctx.timeout_s, stall.cause
+            ) from None
         except BaseException:
             FlightRecorder.finish(self._entry, "failed")
             raise
@@ -193,10 +221,10 @@ class Group:
                 raise
         try:
             pending = start(time.monotonic() + ctx.timeout_s, seq)
-        except Stall:
+        except Stall as stall:
             FlightRecorder.finish(entry, "timed_out")
             desc = describe(sig["op"], sig["shape"], sig["dtype"])
-            raise desync.diagnose_timeout(self, seq, desc, ctx.timeout_s) from None
+            raise desync.diagnose_timeout(self, seq, desc, ctx.timeout_s, stall.cause) from None
         except BaseException:
             FlightRecorder.finish(entry, "failed")
             raise
@@ -206,11 +234,18 @@ class Group:
     def p2p_deadline(self) -> float:
         return time.monotonic() + self.ctx.timeout_s
 
-    def p2p_timeout(self, what: str, peer: int) -> CollectiveTimeout:
+    def p2p_timeout(self, what: str, peer: int, cause: str = "") -> CollectiveTimeout:
+        who = self.ranks[peer]
+        if cause:  # the peer left (its own deadline passed first, or it died) before ours did
+            why = f"failed on rank {self.global_rank}: rank {who} closed its connection ({cause})"
+        else:
+            why = (
+                f"timed out after {self.ctx.timeout_s:g}s on rank {self.global_rank}: rank {who} never "
+                "posted the matching transfer"
+            )
         return CollectiveTimeout(
-            f"meshspeed: {what} with rank {self.ranks[peer]} on group {self.name} timed out after "
-            f"{self.ctx.timeout_s:g}s on rank {self.global_rank}: rank {self.ranks[peer]} never posted "
-            f"the matching transfer\n  last collectives on this rank:\n{self.ctx.recorder.format_tail(5)}"
+            f"meshspeed: {what} with rank {who} on group {self.name} {why}\n"
+            f"  last collectives on this rank:\n{self.ctx.recorder.format_tail(5)}"
         )
 
 

@@ -39,9 +39,9 @@ class P2PHandle:
         for work, op, entry in zip(self._works, self._ops, self._entries):
             try:
                 wait_work(work, self._deadline, self._group.plain_wait)
-            except Stall:
+            except Stall as stall:
                 FlightRecorder.finish(entry, "timed_out")
-                raise self._group.p2p_timeout(op.kind, op.peer) from None
+                raise self._group.p2p_timeout(op.kind, op.peer, stall.cause) from None
             FlightRecorder.finish(entry)
 
 
