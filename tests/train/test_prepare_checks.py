@@ -16,6 +16,7 @@ from meshspeed.comm import launch
 from meshspeed.train import data as data_mod
 from meshspeed.train.data import DataError, check_token_data
 from meshspeed.train.prepare import prepare_tokens
+from tests import cli_batch
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "."]
 SMALL = ["--train.seq_len", "16", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
@@ -144,17 +145,18 @@ def test_prepare_a_text_directory_then_train_on_it(texts):
     assert [r["step"] for r in rows] == [0, 1] and all(0 < r["loss"] < 10 for r in rows)
     # a tokenizer of 300 ids, more than the model's 256: one line, non-zero exit, nothing trained
     big = _word_tokenizer(texts / "big", 300)
-    out = _train(["data", "prepare", "--input", "texts", "--tokenizer", big, "--out", "big.bin"], texts)
-    assert out.returncode == 0 and json.load(open(texts / "big.bin.json"))["vocab_size"] == 300
+    # prepare, then the two refused trainings, in one interpreter (tests/cli_batch.py)
+    env = {**os.environ, "MESHSPEED_CACHE_DIR": str(texts / "cache")}
+    argvs = [["data", "prepare", "--input", "texts", "--tokenizer", big, "--out", "big.bin"]]
     for tok_args in (["--data.tokenizer", big], []):  # named, or left at bytes: refused either way
-        bad = _train(["train", *common, "--data.path", "big.bin", *tok_args, "--run.dir", "bad"], texts)
+        argvs.append(["train", *common, "--data.path", "big.bin", *tok_args, "--run.dir", "bad"])
+    out, *bads = cli_batch.run_many(argvs, texts, env=env)
+    assert out.returncode == 0 and json.load(open(texts / "big.bin.json"))["vocab_size"] == 300
+    for bad in bads:
         assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
         assert bad.stderr.strip().count("\n") == 0 and "big" in bad.stderr
         assert not os.path.exists(texts / "bad" / "metrics.jsonl")
-    assert (
-        "has 300 tokens but the model's vocab_size is 256"
-        in _train(["train", *common, "--data.path", "big.bin", "--data.tokenizer", big], texts).stderr
-    )
+    assert "has 300 tokens but the model's vocab_size is 256" in bads[0].stderr
 
 
 def _word_tokenizer(path, size: int) -> str:

@@ -17,7 +17,7 @@ import pytest
 
 from meshspeed.train import config
 from meshspeed.train.trainer import Trainer
-from tests import harness
+from tests import cli_batch, harness
 
 # Same model for every layout: 4 query and 4 kv heads so tp 4 divides them.
 BASE = [
@@ -169,27 +169,26 @@ def test_cli_trains_and_reports(tmp_path):
     assert (tmp_path / "run" / "step-000006" / "COMPLETE").exists()
 
 
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["--parallel.tp", "3"], "parallel.tp=3 × parallel.pp=1 = 3 does not divide the world size 4"),
-        (
-            ["--train.global_batch_size", "12"],
-            "train.global_batch_size=12 is not divisible by train.micro_batch_size × parallel.dp",
-        ),
-        (["--parallel.zero", "3"], "parallel.zero='3' is not valid; choose one of 0, 1, 2"),
-        (["--train.dtype", "fp8"], "train.dtype='fp8' is not valid"),
-    ],
-)
-def test_cli_bad_settings_fail_with_one_line(tmp_path, args, needle):
-    out = subprocess.run(
-        [sys.executable, "-m", "meshspeed", "train"] + args,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 2
+BAD_SETTINGS = [
+    (["--parallel.tp", "3"], "parallel.tp=3 × parallel.pp=1 = 3 does not divide the world size 4"),
+    (
+        ["--train.global_batch_size", "12"],
+        "train.global_batch_size=12 is not divisible by train.micro_batch_size × parallel.dp",
+    ),
+    (["--parallel.zero", "4"], "parallel.zero='4' is not valid; choose one of 0, 1, 2"),
+    (["--train.dtype", "fp8"], "train.dtype='fp8' is not valid"),
+]
+_BAD: dict = {}
+
+
+@pytest.mark.parametrize("args,needle", BAD_SETTINGS)
+def test_cli_bad_settings_fail_with_one_line(tmp_path_factory, args, needle):
+    if not _BAD:  # all cases in one interpreter (tests/cli_batch.py): one torch import, not four
+        argvs = [["train", *a] for a, _ in BAD_SETTINGS]
+        for a, res in zip(BAD_SETTINGS, cli_batch.run_many(argvs, tmp_path_factory.mktemp("bad"))):
+            _BAD[tuple(a[0])] = res
+    out = _BAD[tuple(args)]
+    assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], out.stderr
 
