@@ -175,7 +175,12 @@ def _wrap(name: str, local: torch.Tensor, sharding: Sharding | None, mesh):
         )
     if not axes:
         return local
-    dims = (mesh.device_mesh.mesh_dim_names or ()) if mesh.device_mesh is not None else ()
+    device_mesh = mesh.device_mesh
+    if any(d == "ep" for d, _ in axes):  # expert shards: a mesh of this rank's ep group
+        if len(axes) > 1:
+            raise ConfigError(f"{name}: checkpoints save expert shards split over ep alone, not {sharding}")
+        device_mesh = mesh.expert_device_mesh()
+    dims = (device_mesh.mesh_dim_names or ()) if device_mesh is not None else ()
     missing = [d for d, _ in axes if d not in dims]
     if missing:
         raise ConfigError(
@@ -183,7 +188,7 @@ def _wrap(name: str, local: torch.Tensor, sharding: Sharding | None, mesh):
             f"checkpoints can reshard over {', '.join(dims) or 'no dim'}"
         )
     names = tuple(d for d, _ in axes)
-    sub = mesh.device_mesh[names if len(names) > 1 else names[0]]
+    sub = device_mesh[names if len(names) > 1 else names[0]]
     full = torch.Size(sharding.full_shape)
     return DTensor.from_local(
         local,

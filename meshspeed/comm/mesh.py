@@ -178,6 +178,19 @@ class Mesh:
         )
         self._groups["xnode"] = ctx.split([list(range(i, ctx.world_size, k)) for i in range(k)], "xnode")
 
+    def expert_device_mesh(self):
+        """A 1-D DeviceMesh over this rank's ep group, for tensors split over "ep" (checkpoints
+        place expert shards on it; the ranks holding the same experts write the same chunks,
+        which DCP writes once). Made without process groups: placing tensors needs none."""
+        if getattr(self, "_expert_dm", None) is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = torch.tensor(self["ep"].ranks)
+            self._expert_dm = DeviceMesh(
+                self.ctx.device.type, ranks, mesh_dim_names=("ep",), _init_backend=False
+            )
+        return self._expert_dm
+
     def group(self, name: str) -> Group:
         """The group of this rank along `name`: pp, dp, cp, tp, dp_cp, ep, edp, world, node
         (ranks on this node) or xnode (this rank's peers with the same local index elsewhere)."""

@@ -221,11 +221,13 @@ class Transformer(nn.Module):
         return h
 
     def moe_layers(self) -> dict[str, MoE]:
-        """FQN -> MoE module for the MoE layers present on this model (or pipeline stage)."""
+        """FQN -> MoE module for the MoE layers present on this model (or pipeline stage).
+        Duck-typed (a router): the expert-parallel layer that replaces an MoE under ep is not a
+        subclass (parallel/ never imports models/) but keeps the same losses and statistics."""
         return {
             f"layers.{i}.feed_forward": layer.feed_forward
             for i, layer in self.layers.items()
-            if isinstance(layer.feed_forward, MoE)
+            if isinstance(layer.feed_forward, MoE) or hasattr(layer.feed_forward, "router")
         }
 
     def aux_loss(self) -> torch.Tensor:
@@ -286,7 +288,7 @@ def moe_aux_loss(modules) -> torch.Tensor | None:
         aux
         for mod in modules
         for m in mod.modules()
-        if isinstance(m, MoE) and (aux := m.aux_loss()) is not None
+        if (isinstance(m, MoE) or hasattr(m, "router")) and (aux := m.aux_loss()) is not None
     ]
     return torch.stack(losses).sum() if losses else None
 

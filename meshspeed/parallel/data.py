@@ -69,6 +69,7 @@ class BucketSpec:
     index: int
     numel: int
     slots: tuple[Slot, ...]
+    kind: str = "dp"  # "dp": reduced over the data-parallel group; "expert": over "edp"
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """[lo, hi) of member `rank`'s slice (numel is a multiple of size)."""
@@ -77,22 +78,38 @@ class BucketSpec:
 
 
 def plan_buckets(
-    shapes: list[tuple[str, tuple[int, ...]]], bucket_numel: int, dp_size: int, align: int = ALIGN
+    shapes: list[tuple[str, tuple[int, ...]]],
+    bucket_numel: int,
+    dp_size: int,
+    align: int = ALIGN,
+    kinds: dict[str, str] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> list[BucketSpec]:
     """Pack (name, shape) in the given order into buckets of at most `bucket_numel` elements
-    (a larger parameter gets a bucket of its own). Pure data: print it, test it."""
+    (a larger parameter gets a bucket of its own). Pure data: print it, test it.
+
+    kinds/sizes (expert parallelism): a parameter's reduction group kind (default "dp") and each
+    kind's group size; a bucket holds one kind only and is padded for its own group's shards."""
+    kinds, sizes = kinds or {}, sizes or {}
     buckets: list[BucketSpec] = []
     slots: list[Slot] = []
-    used = 0
+    used, kind = 0, None
+
+    def close() -> None:
+        n = _round_up(max(used, 1), align * sizes.get(kind, dp_size))
+        buckets.append(BucketSpec(len(buckets), n, tuple(slots), kind or "dp"))
+
     for name, shape in shapes:
         numel = math.prod(shape)
-        if slots and used + numel > bucket_numel:
-            buckets.append(BucketSpec(len(buckets), _round_up(used, align * dp_size), tuple(slots)))
+        k = kinds.get(name, "dp")
+        if slots and (used + numel > bucket_numel or k != kind):
+            close()
             slots, used = [], 0
+        kind = k
         slots.append(Slot(name, len(buckets), used, numel, tuple(shape)))
         used = _round_up(used + numel, align)
     if slots:
-        buckets.append(BucketSpec(len(buckets), _round_up(max(used, 1), align * dp_size), tuple(slots)))
+        close()
     return buckets
 
 
@@ -175,8 +192,21 @@ class DataParallel:
         self.param_dtype = param_dtype or next(iter(dtypes))
         self.grad_dtype = grad_dtype
         self.params: dict[str, nn.Parameter] = dict(named)
+        # Expert parallelism: expert weights (split over "ep") are reduced over "edp", the ranks
+        # holding the same experts, in buckets of their own (ZeRO shards them over edp too).
+        # Their gradients already sum the whole ep group's tokens (the backward all-to-all brought
+        # them), so averaging over edp leaves a factor ep: the bucket is scaled by 1/ep first.
+        expert = {n for n, p in named if _expert_sharded(p)}
+        self._groups = {"dp": self.group, "expert": mesh["edp"] if expert else self.group}
+        self.expert_scale = 1.0 / mesh["ep"].size if expert else 1.0
         cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=grad_dtype).element_size())
-        self.specs = plan_buckets([(n, tuple(p.shape)) for n, p in reversed(named)], cap, self.group.size)
+        self.specs = plan_buckets(
+            [(n, tuple(p.shape)) for n, p in reversed(named)],
+            cap,
+            self.group.size,
+            kinds={n: "expert" for n in expert},
+            sizes={k: g.size for k, g in self._groups.items()},
+        )
         self.slots = {s.name: s for spec in self.specs for s in spec.slots}
         device = named[0][1].device
         self.buckets = [_Bucket(spec, self.param_dtype, grad_dtype, device) for spec in self.specs]
@@ -206,10 +236,9 @@ class DataParallel:
                         p.grad = None
                         p.main_grad = g
                 self._source.append(src)
-                if zero == 2 and self.group.size > 1:
-                    b.grad_shard = torch.zeros(
-                        b.spec.numel // self.group.size, dtype=grad_dtype, device=device
-                    )
+                size = self._groups[b.spec.kind].size
+                if zero == 2 and size > 1:
+                    b.grad_shard = torch.zeros(b.spec.numel // size, dtype=grad_dtype, device=device)
         self.require_grad_sync = True
         self._marked: set[str] = set()
         self._next = 0  # next bucket to launch
@@ -245,8 +274,10 @@ class DataParallel:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
-        if self.zero == 2 and self.group.size > 1:
+        if self.zero == 2:
             for b in self.buckets:
+                if b.grad_shard is None:
+                    continue  # a group of one: nothing was reduce-scattered
                 for s in b.spec.slots:
                     p = self.params[s.name]
                     if p.grad is not None and _aliases(p.grad, self._gviews[s.name]):
@@ -317,7 +348,10 @@ class DataParallel:
         self.stats[counter] += 1
         if self.events is not None:
             self.events.append(("launch", i))
-        if self.group.size == 1:
+        if b.spec.kind == "expert" and self.expert_scale != 1.0:
+            b.grad.mul_(self.expert_scale)
+        group = self.group_of(i)
+        if group.size == 1:
             return
         if self.grad_comm is not None:
             b.handle = self.grad_comm.launch(i, b)  # None: this bucket goes dense
@@ -325,14 +359,19 @@ class DataParallel:
                 return
         self.stats["grad_comm_bytes"] += b.grad.numel() * b.grad.element_size()
         if self.zero == 2:
-            b.handle = comm.reduce_scatter(b.grad, self.group, "avg", out=b.grad_shard, async_op=True)
+            b.handle = comm.reduce_scatter(b.grad, group, "avg", out=b.grad_shard, async_op=True)
         else:
-            b.handle = comm.all_reduce(b.grad, self.group, "avg", async_op=True)
+            b.handle = comm.all_reduce(b.grad, group, "avg", async_op=True)
 
     # -- what the optimizer and clipping read ----------------------------------------------
+    def group_of(self, i: int) -> comm.Group:
+        """The group bucket i is reduced (and ZeRO-sharded) over: dp (or dp_cp), or edp for experts."""
+        return self._groups[self.specs[i].kind]
+
     def dp_shard(self, i: int) -> tuple[int, int]:
         """This rank's 1/dp slice of bucket i: disjoint across dp whatever the ZeRO stage."""
-        return self.specs[i].shard(self.group.rank, self.group.size)
+        g = self.group_of(i)
+        return self.specs[i].shard(g.rank, g.size)
 
     def opt_range(self, i: int) -> tuple[int, int]:
         """The part of bucket i this rank's optimizer updates."""
@@ -359,7 +398,8 @@ class DataParallel:
         of every dp rank; returns a handle to wait on (or None)."""
         b = self.buckets[i]
         lo, hi = self.opt_range(i)
-        if not self.zero or self.group.size == 1:
+        group = self.group_of(i)
+        if not self.zero or group.size == 1:
             if not _aliases(master, b.data[lo:hi]):
                 b.data[lo:hi].copy_(master)
             return None
@@ -368,7 +408,7 @@ class DataParallel:
         if prefetch is not None:
             # the next step updates the master in place, maybe before this gather has landed
             return prefetch.publish(i, master.clone() if src is master else src)
-        return comm.all_gather(src, self.group, out=b.data, async_op=True)
+        return comm.all_gather(src, group, out=b.data, async_op=True)
 
     @torch.no_grad()
     def scale_grads_(self, coef: torch.Tensor) -> None:
@@ -404,14 +444,21 @@ class DataParallel:
 
 
 def tp_sharded(p: torch.Tensor) -> bool:
-    """True for a tensor-parallel piece (comm.placement); other split axes are not known here."""
+    """True for a tensor-parallel piece (comm.placement). An "ep" split is the bucket's business
+    (expert buckets are sharded over edp, so ranks hold disjoint pieces); other axes are unknown."""
     sharding = placement.sharding_of(p)
     if sharding is None:
         return False
-    others = [d for d, _ in sharding.axes if d != "tp"]
+    others = [d for d, _ in sharding.axes if d not in ("tp", "ep")]
     if others:
         raise comm.ConfigError(
             f"parameter split over {', '.join(others)} ({sharding}): gradient-norm "
-            "accounting knows tensor-parallel splits only; extend meshspeed.parallel.data.tp_sharded"
+            "accounting knows tensor- and expert-parallel splits only; extend "
+            "meshspeed.parallel.data.tp_sharded"
         )
-    return True
+    return any(d == "tp" for d, _ in sharding.axes)
+
+
+def _expert_sharded(p: torch.Tensor) -> bool:
+    sharding = placement.sharding_of(p)
+    return sharding is not None and any(d == "ep" for d, _ in sharding.axes)

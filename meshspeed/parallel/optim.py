@@ -138,10 +138,11 @@ class ZeroAdamW:
     def _full_state(self, i: int) -> torch.Tensor:
         """[3, bucket numel] fp32: master, exp_avg, exp_avg_sq of all of bucket i (gathered)."""
         st, dp = self.shards[i], self.dp
-        if not dp.zero or dp.group.size == 1:
+        group = dp.group_of(i)
+        if not dp.zero or group.size == 1:
             return torch.stack([st.master.float(), st.exp_avg, st.exp_avg_sq])
-        n = dp.group.size
-        flat = comm.all_gather(torch.cat([st.master, st.exp_avg, st.exp_avg_sq]), dp.group)
+        n = group.size
+        flat = comm.all_gather(torch.cat([st.master, st.exp_avg, st.exp_avg_sq]), group)
         return flat.view(n, 3, -1).transpose(0, 1).reshape(3, -1)
 
     def state_dict_per_param(self) -> dict:

@@ -84,7 +84,7 @@ class SparseGradComm:
             for s in spec.slots:
                 m = self.masks.get(s.name)
                 keep[s.offset : s.offset + s.numel] = True if m is None else m.reshape(-1)
-            size = self.dp.group.size
+            size = self.dp.group_of(i).size
             n = spec.numel // size
             chunks = [torch.nonzero(keep[r * n : (r + 1) * n]).flatten() + r * n for r in range(size)]
             counts = [len(c) for c in chunks]
@@ -98,7 +98,7 @@ class SparseGradComm:
         plan = self._plan(i) if self.active else None
         if plan is None:
             return None
-        dp, group = self.dp, self.dp.group
+        dp, group = self.dp, self.dp.group_of(i)
         zero2 = bucket.grad_shard is not None
         if not self.pack:  # the reference: dense bytes, the same meaning
             dp.stats["grad_comm_bytes"] += bucket.grad.numel() * bucket.grad.element_size()

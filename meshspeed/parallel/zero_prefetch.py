@@ -59,10 +59,11 @@ class ZeroPrefetch:
         if self._wait(i):  # the previous gather into this buffer must land first
             self.stats["waited_outside"] += 1
         self._queued[i] = src
-        if len(self._queued) == len(self.dp.buckets):
+        # buckets whose group is one rank (experts with edp 1) are never published
+        if len(self._queued) == sum(self.dp.group_of(j).size > 1 for j in range(len(self.dp.buckets))):
             for j in sorted(self._queued, reverse=True):  # forward order: the input side first
-                out = self.dp.buckets[j].data
-                self.pending[j] = comm.all_gather(self._queued[j], self.dp.group, out=out, async_op=True)
+                out, group = self.dp.buckets[j].data, self.dp.group_of(j)
+                self.pending[j] = comm.all_gather(self._queued[j], group, out=out, async_op=True)
                 self.stats["issued"] += 1
             self._queued.clear()
 

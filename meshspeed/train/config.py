@@ -21,6 +21,7 @@ from meshspeed.train.config_sections import (  # noqa: F401  (re-exported: calle
     DataSection,
     MemorySection,
     ModelSection,
+    MoeSection,
     ParallelSection,
     RunSection,
     SparsitySection,

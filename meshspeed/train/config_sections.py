@@ -76,6 +76,12 @@ class ParallelSection:
         "matmuls, chunk by chunk (needs sequence_parallel; exact)",
     )
     tp_overlap_chunks: int = opt(0, "chunks per rank's sequence block for tp_overlap (0 = cost model)")
+    ep: int = opt(
+        1,
+        "expert-parallel degree: each MoE layer's routed experts split over ep ranks carved from "
+        "dp × cp (other weights stay replicated; expert gradients are reduced, and ZeRO-sharded, "
+        "over the dp × cp / ep ranks holding the same experts); must divide dp × cp and n_experts; tp 1",
+    )
 
 
 @dataclass
@@ -243,6 +249,28 @@ class MemorySection:
 
 
 @dataclass
+class MoeSection:
+    dispatcher: str = opt(
+        "alltoall",
+        "how tokens reach their experts under ep: alltoall (counts exchanged, uneven splits) or "
+        "allgather (every member gathers all tokens, partial outputs reduce-scattered; small ep)",
+        ("alltoall", "allgather"),
+    )
+    capacity_factor: float = opt(
+        0.0,
+        "tokens an expert takes per micro-batch, as a multiple of its fair share "
+        "(tokens × top_k / n_experts); overflow slots are dropped in token order and pass through "
+        "the residual only (0 = dropless)",
+    )
+    aux_loss_coef: float = opt(
+        -1.0,
+        "weight of the load-balancing loss n_experts · Σ_e f_e·P_e (Switch; = 1 when balanced; "
+        "Hugging Face's Mixtral loss is top_k times it); < 0 = the preset's",
+    )
+    z_loss_coef: float = opt(-1.0, "weight of the router z-loss mean(logsumexp(logits)²); < 0 = the preset's")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -252,6 +280,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     sparsity: SparsitySection = field(default_factory=SparsitySection)
     memory: MemorySection = field(default_factory=MemorySection)
+    moe: MoeSection = field(default_factory=MoeSection)
     nproc: int = opt(4, "local worker processes to spawn when not launched by torchrun")
 
     def to_dict(self) -> dict:

@@ -76,7 +76,8 @@ def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
     cp = f"cp {p.cp} ({cfg.parallel.cp_impl}) × " if p.cp > 1 else ""
     print(
         f"\nmeshspeed train: {cfg.model.preset} ({n:,} local params) on {trainer.ctx.world_size} ranks: "
-        f"{pp}dp {p.dp} × {cp}tp {p.tp}, zero {cfg.parallel.zero}, {cfg.train.dtype}"
+        f"{pp}dp {p.dp} × {cp}tp {p.tp}{f' (ep {p.ep})' if p.ep > 1 else ''}, zero {cfg.parallel.zero}, "
+        f"{cfg.train.dtype}"
     )
     if s["final_loss"] is not None:
         val = f", val loss {s['val_loss']:.4f}" if s["val_loss"] is not None else ""

@@ -150,6 +150,7 @@ class MetricsLogger:
         eta = elapsed / max(done, 1) * (self.total - step)
         val = f" val {_fmt(row['val_loss'], '.4f')}" if "val_loss" in row else ""
         val += " (update skipped: not finite)" if row.get("skipped") else ""
+        val += f" experts max/mean {row['expert_load']:.2f}" if row.get("expert_load") else ""
         width = 24
         filled = int(width * step / self.total)
         loss = _fmt(row["loss"], ".4f")

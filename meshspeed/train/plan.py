@@ -32,6 +32,7 @@ from meshspeed.parallel.tensor import check_tp, parallelize
 from meshspeed.train import config as config_mod
 from meshspeed.train.data import accumulation_steps
 from meshspeed.train.estimate import estimate_memory
+from meshspeed.train.experts import check_experts, expert_parallel, with_moe_settings
 from meshspeed.train.model_source import preset_config
 
 
@@ -88,7 +89,7 @@ def resolve_layout(cfg, world_size: int) -> tuple[ParallelDims, int]:
         )
     # the one rule for micro-batches per step (the loader applies the same function)
     microbatches = accumulation_steps(t.global_batch_size, t.micro_batch_size, dp)
-    return ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp), microbatches
+    return ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), microbatches
 
 
 def _model(cfg):
@@ -116,6 +117,7 @@ def _check_model(cfg, config: ModelConfig, recipe) -> None:
         )
     if cfg.checkpoint.export_hf:  # refused now, not after training
         check_exportable(config, "checkpoint.export_hf=true: ")
+    check_experts(cfg, config)
 
 
 def _check_run_dir(cfg) -> None:
@@ -198,6 +200,8 @@ def rank_params(recipe, dims: ParallelDims, layouts, sequence_parallel: bool) ->
         model = recipe.build()
     total = sum(p.numel() for p in model.parameters())
     parallelize(model, _Shapes(dims, 0), recipe, sequence_parallel=sequence_parallel)
+    if dims.ep > 1:  # the experts' "ep" tags, as the trainer's expert_parallel sets them
+        expert_parallel(model, _Shapes(dims, 0)["ep"])
     units = recipe.pipeline
     params = list(model.named_parameters(remove_duplicate=False))
     out = []
@@ -241,6 +245,7 @@ def make_plan(cfg, world_size: int, *, ranks: bool = True) -> RunPlan:
     _check_run_dir(cfg)
     dims, microbatches = resolve_layout(cfg, world_size)
     config, recipe, weights = _model(cfg)
+    config = with_moe_settings(cfg, config)
     _check_model(cfg, config, recipe)
     layouts, sim = check_pipeline(cfg, recipe, microbatches)
     _check_data(cfg, config)

@@ -37,6 +37,7 @@ from meshspeed.train import checkpoint as ckpt
 from meshspeed.train import config as config_mod
 from meshspeed.train.ckpt_dirs import CheckpointError, newest_verified
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
+from meshspeed.train.experts import apply_expert_parallel, expert_load
 from meshspeed.train.export import export_safetensors
 from meshspeed.train.hf_export import export_hf, source_hf_config
 from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
@@ -105,6 +106,7 @@ class Trainer:
             self.model = build_parallel_model(
                 self.recipe, self.mesh, seed=t.seed, device=ctx.device, sequence_parallel=p.sequence_parallel
             )
+        apply_expert_parallel(self.model, self.mesh, cfg)  # ep > 1: this rank's block of experts
         if p.tp_overlap:  # plan/config checked sequence_parallel; 0 chunks = the cost model's K per layer
             set_tp_overlap(self.model, True, p.tp_overlap_chunks or None)
         if t.fused_kernels:
@@ -325,6 +327,13 @@ class Trainer:
             "tokens_per_s": t.global_batch_size * t.seq_len / elapsed,
             **sparse,
         }
+        if self.model_config.n_experts:  # worst layer's max/mean tokens per expert, whole batch
+            load = expert_load(self.model, self.mesh["dp_cp"]) or 0.0
+            if self.mesh["pp"].size > 1:  # each stage holds its own layers
+                load = torch.tensor([load], dtype=torch.float64, device=self.ctx.device)
+                load = comm.all_reduce(load, self.mesh["pp"], "max")
+                load = float(load[0])
+            row["expert_load"] = load
         if not finite:
             row["skipped"] = True
         return row

@@ -51,7 +51,7 @@ BAD = [
     (["--parallel.bucket_mb", "0"], "parallel.bucket_mb=0.0 must be > 0"),
     (["--train.steps", "0"], "train.steps=0 must be ≥ 1"),
     (["--train.steps", "ten"], "train.steps='ten' is not an integer"),
-    (["--parallel.zero", "3"], "parallel.zero='3' is not valid"),
+    (["--parallel.zero", "4"], "parallel.zero='4' is not valid"),
     (["--nproc", "3", "--parallel.tp", "3"], "parallel.tp=3 does not divide n_heads=4"),
     (["--nproc", "4", "--parallel.tp", "4", "--model.n_kv_heads", "2"], "parallel.tp=4 does not divide"),
     (
@@ -91,6 +91,19 @@ BAD = [
     (["--run.overwrite", "true", "--checkpoint.resume", "latest"], "choose one of them"),
     (["--json"], "--json prints the plan of --dry-run"),
     (["--data.path", "/no/such/tokens.bin"], "data.path='/no/such/tokens.bin' does not exist"),
+    (["--nproc", "2", "--parallel.tp", "1", "--parallel.ep", "2"], "parallel.ep=2 needs a mixture-of"),
+    (
+        ["--model.preset", "tiny-moe", "--nproc", "3", "--parallel.tp", "1", "--parallel.ep", "3"]
+        + ["--train.global_batch_size", "6", "--train.micro_batch_size", "2"],
+        "parallel.ep=3 does not divide the model's 4 experts; use one of 1, 2, 4",
+    ),
+    (["--model.preset", "tiny-moe", "--nproc", "4", "--parallel.ep", "2"], "parallel.ep=2 with parallel.tp"),
+    (["--nproc", "4", "--parallel.tp", "1", "--parallel.ep", "3"], "parallel.ep=3 must divide dp×cp = 4"),
+    (
+        ["--model.preset", "tiny-moe", "--parallel.tp", "1", "--moe.capacity_factor", "1"]
+        + ["--moe.dispatcher", "allgather"],
+        "needs moe.dispatcher=alltoall",
+    ),
 ]
 
 

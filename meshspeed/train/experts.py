@@ -1,0 +1,90 @@
+"""Expert parallelism in training: the run plan's checks, the [moe] settings applied to the model
+config, the wrap of every MoE layer, and the per-step expert load.
+
+The layer and its communication are meshspeed.parallel.expert / expert_comm; the gradient
+reduction of expert weights over the expert-data-parallel group is DataParallel's (expert
+buckets, parallel/data.py). This file decides when those are used and checks the settings
+before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.comm import ConfigError
+from meshspeed.models import ModelConfig
+from meshspeed.parallel.expert import expert_parallel
+
+__all__ = ["apply_expert_parallel", "check_experts", "expert_load", "expert_parallel", "with_moe_settings"]
+
+
+def with_moe_settings(cfg, config: ModelConfig) -> ModelConfig:
+    """The model config with [moe]'s loss coefficients (a negative value keeps the preset's)."""
+    m = cfg.moe
+    changes = {k: v for k in ("aux_loss_coef", "z_loss_coef") if (v := getattr(m, k)) >= 0}
+    return dataclasses.replace(config, **changes) if changes and config.n_experts else config
+
+
+def uses_expert_layer(cfg) -> bool:
+    """Whether MoE layers are replaced by the expert-parallel layer (ep > 1, or capacity routing)."""
+    return cfg.parallel.ep > 1 or cfg.moe.capacity_factor > 0
+
+
+def check_experts(cfg, config: ModelConfig) -> None:
+    """One line for each expert setting that cannot work with this model and layout."""
+    p, m = cfg.parallel, cfg.moe
+    if not uses_expert_layer(cfg):
+        return
+    what = f"parallel.ep={p.ep}" if p.ep > 1 else f"moe.capacity_factor={m.capacity_factor:g}"
+    if not config.n_experts:
+        raise ConfigError(f"{what} needs a mixture-of-experts model; this one is dense (use e.g. tiny-moe)")
+    if config.n_experts % p.ep:
+        good = [d for d in range(1, config.n_experts + 1) if config.n_experts % d == 0]
+        raise ConfigError(
+            f"parallel.ep={p.ep} does not divide the model's {config.n_experts} experts; "
+            f"use one of {', '.join(map(str, good))}"
+        )
+    if p.tp > 1:
+        raise ConfigError(
+            f"{what} with parallel.tp={p.tp}: expert parallelism composes with dp, cp and pp; "
+            "with tensor parallelism the experts are split over tp instead (set tp=1, or leave "
+            "ep=1 and capacity_factor=0)"
+        )
+    if m.capacity_factor < 0:
+        raise ConfigError(f"moe.capacity_factor={m.capacity_factor:g} must be > 0, or 0 for dropless")
+    if m.capacity_factor > 0 and m.dispatcher != "alltoall":
+        raise ConfigError(
+            f"moe.capacity_factor={m.capacity_factor:g} needs moe.dispatcher=alltoall (the allgather "
+            "dispatcher is dropless only)"
+        )
+
+
+def apply_expert_parallel(model: nn.Module, mesh, cfg) -> None:
+    """Replace the MoE layers of `model` (a whole model or a pipeline stage) by the expert-parallel
+    layer over mesh["ep"]: this rank keeps its block of experts and exchanges tokens with the
+    other ep members. Before the data-parallel buckets are built: the expert weights are sliced."""
+    if uses_expert_layer(cfg):
+        m = cfg.moe
+        expert_parallel(model, mesh["ep"], m.dispatcher, m.capacity_factor or None)
+
+
+def expert_load(model: nn.Module, group: comm.Group) -> float | None:
+    """max/mean tokens per expert of the last micro-batch, over the whole data-parallel batch
+    (counts summed over `group`), for the worst MoE layer on this rank's stage; None when the
+    model has no MoE layer here. 1.0 is perfect balance; top_k experts per token count once each."""
+    counts = [m.tokens_per_expert for m in _moe_modules(model) if m.tokens_per_expert is not None]
+    if not counts:
+        return None
+    stacked = torch.stack([c.to(torch.float64) for c in counts])  # [layers, E]
+    if group.size > 1:
+        stacked = comm.all_reduce(stacked, group, "sum")
+    mean = stacked.mean(dim=1).clamp(min=1.0)
+    return float((stacked.max(dim=1).values / mean).max())
+
+
+def _moe_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "router") and hasattr(m, "tokens_per_expert")]
