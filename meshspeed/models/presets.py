@@ -72,6 +72,43 @@ PRESETS: dict[str, dict] = {
         top_k=2,
         router_softmax="after_topk",
     ),
+    # DeepSeekMoE-16B (fine-grained experts): 16,375,728,128 parameters, ~2.8B active per token.
+    # 64 routed experts of width 1408 (top-6, softmax over all, no renormalisation), 2 shared
+    # experts fused into one SwiGLU of 2 × 1408, the first layer dense (FFN 10944), MHA 16 heads.
+    "deepseek-moe-16b": dict(
+        dim=2048,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=16,
+        vocab_size=102400,
+        ffn_hidden=10944,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_seq_len=4096,
+        n_experts=64,
+        top_k=6,
+        n_shared_experts=2,
+        moe_ffn_hidden=1408,
+        first_k_dense=1,
+        router_softmax="before_topk",
+        aux_loss_coef=0.001,
+    ),
+    # The same layout at tiny size: 16 routed experts (top-4), 2 shared, first layer dense.
+    "tiny-fine-moe": dict(
+        dim=128,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        ffn_hidden=384,
+        max_seq_len=256,
+        n_experts=16,
+        top_k=4,
+        n_shared_experts=2,
+        moe_ffn_hidden=32,
+        first_k_dense=1,
+        router_softmax="before_topk",
+    ),
     # Qwen2 family at tiny size (q/k/v biases, untied embeddings): tests and quick runs.
     "tiny-qwen2": dict(
         family="qwen2",

@@ -115,11 +115,16 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return out
 
 
-def _gather_mask(mask: torch.Tensor, group, sharding) -> torch.Tensor:
-    if sharding is None or group.size == 1:
+def _split(groups: dict, sharding) -> bool:
+    """Whether a tensor laid out as `sharding` is really split (some axis group has > 1 member)."""
+    return sharding is not None and any(groups[d].size > 1 for d, _ in sharding.axes)
+
+
+def _gather_mask(mask: torch.Tensor, groups: dict, sharding) -> torch.Tensor:
+    if not _split(groups, sharding):
         return mask.clone()
     # gloo has no bool collectives: move the mask as bytes
-    return placement.full_tensor(mask.to(torch.uint8), {"tp": group}, sharding).bool()
+    return placement.full_tensor(mask.to(torch.uint8), groups, sharding).bool()
 
 
 class _FullView:
@@ -130,17 +135,19 @@ class _FullView:
     new mask is set, so an update holds one full weight at a time (all of them only with an
     adapter, which scores every layer first). The full mask is kept (bool, 1 byte/weight)."""
 
-    def __init__(self, name: str, local, group, need_grad: bool):
-        self.name, self.local, self.group, self.need_grad = name, local, group, need_grad
+    def __init__(self, name: str, local, groups: dict, need_grad: bool):
+        """groups: mesh dim -> Group for the splits a weight may have: "tp", and "ep" for the
+        stacked experts under expert parallelism (every rank then sees every expert's mask)."""
+        self.name, self.local, self.split_groups, self.need_grad = name, local, groups, need_grad
         p = local.weight
         self.sharding = placement.sharding_of(p)
-        if self.sharding is not None and [d for d, _ in self.sharding.axes] != ["tp"]:
+        if self.sharding is not None and any(d not in groups for d, _ in self.sharding.axes):
             raise ConfigError(
-                f"{name}: sparse training knows tensor-parallel splits only, not {self.sharding}"
+                f"{name}: sparse training knows tensor- and expert-parallel splits only, not {self.sharding}"
             )
         self.full_shape = self.sharding.full_shape if self.sharding is not None else p.shape
         self._w: torch.Tensor | None = None
-        self.mask = _gather_mask(local.mask, group, self.sharding)
+        self.mask = _gather_mask(local.mask, groups, self.sharding)
         placement.tag(local.mask, self.sharding)  # checkpoints shard the mask like its weight
 
     @property
@@ -173,7 +180,7 @@ class _FullView:
         self.local.sr_ste_lambda = float(value)
 
     def _full(self, t: torch.Tensor) -> torch.Tensor:
-        return placement.full_tensor(t, {"tp": self.group}, self.sharding)
+        return placement.full_tensor(t, self.split_groups, self.sharding)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -191,11 +198,13 @@ class _FullView:
 
     def local_piece(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's torch.chunk piece of a full-shape tensor (the split of the parameter)."""
-        if self.sharding is None or self.group.size == 1:
+        if not _split(self.split_groups, self.sharding):
             return full
-        return placement.local_piece(
-            full, self.sharding.placement("tp"), self.group.rank, self.group.size
-        ).contiguous()
+        out = full
+        for d, p in self.sharding.axes:  # in split order: tp's piece of ep's piece, ...
+            g = self.split_groups[d]
+            out = placement.local_piece(out, p, g.rank, g.size)
+        return out.contiguous()
 
     def set_mask(self, mask: torch.Tensor, *, check: bool = True) -> None:
         self.mask = mask.to(torch.bool)
@@ -331,7 +340,7 @@ class SparsityHook:
             self.controller.load_state_dict(state["controller"])
         for v in self.views:
             v.local.set_mask(v.local.mask.clone())
-            v.mask = _gather_mask(v.local.mask, v.group, v.sharding)
+            v.mask = _gather_mask(v.local.mask, v.split_groups, v.sharding)
         if state is not None:
             for v in self.views:
                 v.sr_ste_lambda = state["sr_ste_lambda"][v.name]
@@ -386,8 +395,8 @@ def build_sparsity(
                 check_shardable(
                     name,
                     sharding.full_shape,
-                    sharding.shard_dims()["tp"],
-                    group.size,
+                    sharding.shard_dims().get("tp", 0),
+                    group.size if "tp" in sharding.shard_dims() else 1,
                     phase.nm,
                     transposable=phase.use_transposable,
                 )
@@ -403,7 +412,7 @@ def build_sparsity(
             setattr(model.get_submodule(parent) if parent else model, child, local)
         else:  # a tp linear keeps its mask under the name a SparseLinear's has: checkpoints reshard
             local = SparseParam(mod, pname, name=name, mask_name="mask" if pname == "weight" else None, **kw)
-        views.append(_FullView(name, local, group, need_grad))
+        views.append(_FullView(name, local, {"tp": group, "ep": mesh["ep"]}, need_grad))
     hook = SparsityHook(model, config, views, optimizer)
     hook.async_masks = section.async_masks
     if section.sparse_grad_comm:

@@ -19,6 +19,9 @@ PUBLISHED = {
     "llama3-70b": 70_553_706_496,
     "mixtral-8x7b": 46_702_792_704,
     "qwen2-7b": 7_615_616_512,
+    # deepseek-ai/deepseek-moe-16b-base: "16.4B" (its config: 28 layers, 64 routed + 2 shared
+    # experts of width 1408, first layer dense): counted from those shapes
+    "deepseek-moe-16b": 16_375_728_128,
 }
 
 
@@ -44,6 +47,11 @@ def test_llama3_ffn_width_rule():
 def test_mixtral_active_params():
     # Mistral quotes 12.9B active parameters per token.
     assert round(param_count(get_preset("mixtral-8x7b"), active=True) / 1e9, 1) == 12.9
+
+
+def test_deepseek_moe_active_params():
+    # DeepSeek quotes 2.8B activated parameters (6 of 64 routed experts + the 2 shared).
+    assert round(param_count(get_preset("deepseek-moe-16b"), active=True) / 1e9, 1) == 2.8
 
 
 @pytest.mark.parametrize(

@@ -158,3 +158,13 @@ def test_dry_run_counts_each_ranks_block_of_experts(tmp_path, capsys, monkeypatc
     c = get_preset("tiny-moe")
     experts = sum(3 * c.n_experts * c.dim * c.moe_ffn_dim for i in range(c.n_layers) if c.is_moe_layer(i))
     assert counts[2] == [n - experts // 2 for n in counts[1]]
+
+
+def test_fine_grained_preset_at_ep_4_equals_one_process(tmp_path):
+    """DeepSeekMoE's layout at tiny size (16 routed experts top-4, 2 shared, first layer dense):
+    4 experts per rank at ep 4, the dense layer untouched."""
+    fine = [("model.preset", "tiny-fine-moe"), ("parallel.tp", "1")]
+    want = harness.run(1, job_losses, str(tmp_path / "one"), fine, STEPS)[0]
+    got = harness.run(4, job_losses, str(tmp_path / "ep4"), fine + [("parallel.ep", "4")], STEPS)
+    for rank_losses in got:
+        _close(rank_losses, want)

@@ -53,12 +53,12 @@ def _cfg(run_dir: str, extra: list) -> config.Config:
 
 def _full_masks(trainer) -> dict[str, torch.Tensor]:
     """Every sparse weight's mask gathered from the local buffers (collective over tp)."""
-    return {v.name: _gather_mask(v.local.mask, v.group, v.sharding) for v in trainer.sparsity.views}
+    return {v.name: _gather_mask(v.local.mask, v.split_groups, v.sharding) for v in trainer.sparsity.views}
 
 
 def _full_weights(trainer) -> dict[str, torch.Tensor]:
     return {
-        v.name: full_tensor(v.local.weight, {"tp": v.group}, v.sharding).float()
+        v.name: full_tensor(v.local.weight, v.split_groups, v.sharding).float()
         for v in trainer.sparsity.views
     }
 

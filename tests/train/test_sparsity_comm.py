@@ -107,6 +107,11 @@ LAYOUTS = {
     "dp2xtp2": (4, [("parallel.tp", "2")]),
     # stacked expert weights [E, out, in] carry masks too (SparseParam): packed like the rest
     "moe-dp2-zero1": (2, [("parallel.tp", "1"), ("parallel.zero", "1"), ("model.preset", "tiny-moe")]),
+    # expert parallelism: the experts' buckets are reduced over edp (dp 4 / ep 2), packed the same way
+    "moe-dp4-ep2-zero1": (
+        4,
+        [("parallel.tp", "1"), ("parallel.zero", "1"), ("model.preset", "tiny-moe"), ("parallel.ep", "2")],
+    ),
 }
 SPARSE = [("model.preset", "tiny"), ("sparsity.pattern", "2:4"), ("sparsity.update_interval", "3")]
 
