@@ -35,12 +35,19 @@ def register(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed; the same seed, the same tokens")
     p.add_argument("--json", metavar="FILE", help='write {"outputs": [{"prompt", "token_ids", "text"}]}')
-    p.add_argument("--nproc", type=int, default=1, help="local worker processes (= tp × dp)")
+    p.add_argument("--nproc", type=int, default=1, help="local worker processes (= tp × dp × pp)")
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument(
         "--parallel.dp", dest="dp", type=int, default=1, help="data-parallel replicas (prompts split)"
     )
-    p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline stages (only 1 so far)")
+    p.add_argument(
+        "--parallel.pp",
+        dest="pp",
+        type=int,
+        default=1,
+        help="pipeline stages: each rank holds its stage of the layers (the training split) and their "
+        "KV cache; the prompts flow through in micro-batches",
+    )
     p.set_defaults(func=run)
 
 

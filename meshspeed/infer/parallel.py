@@ -2,10 +2,13 @@
 per-layer communication as training) and data parallel (prompts split over replicas, the
 generated ids gathered back in prompt order through meshspeed.comm).
 
-Pipeline parallelism is not wired yet (see the README's inference section).
+and pipeline parallel (each rank its stage of the training split; prompts in micro-batches
+flowing through the stages: infer/pipeline.py).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -14,20 +17,21 @@ from meshspeed import comm
 from meshspeed.comm.algorithms import bounds
 from meshspeed.comm.recipe import Recipe
 from meshspeed.infer.generate import Stats, generate
+from meshspeed.infer.pipeline import generate_pipeline
 from meshspeed.parallel.materialize import build_parallel_model
+from meshspeed.parallel.pipeline.stage import build_stages
 
 
 def build_inference_model(
     recipe: Recipe, mesh, *, seed: int = 0, dtype: torch.dtype | None = None
-) -> nn.Module:
-    """This rank's model for inference: tensor parallel over mesh["tp"], no sequence parallelism
-    (decode steps have one token per sequence, which no sequence split can cut)."""
+) -> tuple[nn.Module, object | None]:
+    """This rank's model for inference and, under pp, its PipelineStages (else None): tensor
+    parallel over mesh["tp"], no sequence parallelism (decode steps have one token per sequence,
+    which no sequence split can cut); under pp only this rank's stage of the training split."""
     if mesh is not None and mesh.dims.pp > 1:
-        raise comm.ConfigError(
-            f"parallel.pp={mesh.dims.pp}: pipeline-parallel generation is not implemented yet; "
-            "use parallel.tp and parallel.dp"
-        )
-    return build_parallel_model(recipe, mesh, seed=seed, dtype=dtype, sequence_parallel=False).eval()
+        stages = build_stages(recipe, mesh, seed=seed, dtype=dtype, sequence_parallel=False)
+        return stages.model.eval(), stages
+    return build_parallel_model(recipe, mesh, seed=seed, dtype=dtype, sequence_parallel=False).eval(), None
 
 
 def _gather_lists(local: list[list[int]], group: comm.Group) -> list[list[int]]:
@@ -46,20 +50,29 @@ def _gather_lists(local: list[list[int]], group: comm.Group) -> list[list[int]]:
 
 
 def generate_parallel(
-    model: nn.Module, prompts: list[list[int]], mesh, *, stats: Stats | None = None, **kwargs
+    model: nn.Module,
+    prompts: list[list[int]],
+    mesh,
+    *,
+    stats: Stats | None = None,
+    stages=None,
+    **kwargs,
 ) -> list[list[int]]:
     """Generated ids of every prompt, in prompt order, on every rank.
 
     Replica r of mesh["dp"] generates prompts bounds(n, dp)[r]..[r+1] (tensor_split pieces) with
     their global row indices, so sampled tokens equal a single process's. kwargs: generate()'s.
+    `stages`: this rank's PipelineStages under pp (build_inference_model's second result).
     """
+    run = partial(generate_pipeline, stages, mesh) if stages is not None else partial(generate, model)
+
     dp = mesh.group("dp") if mesh is not None and mesh.dims.dp > 1 else None
     if dp is None:
-        return generate(model, prompts, stats=stats, **kwargs)
+        return run(prompts, stats=stats, **kwargs)
     offs = bounds(len(prompts), dp.size)
     lo, hi = offs[dp.rank], offs[dp.rank + 1]
     local = (
-        generate(model, prompts[lo:hi], rows=list(range(lo, hi)), n_total=len(prompts), stats=stats, **kwargs)
+        run(prompts[lo:hi], rows=list(range(lo, hi)), n_total=len(prompts), stats=stats, **kwargs)
         if hi > lo
         else []
     )

@@ -32,11 +32,19 @@ def resolve(opts: dict) -> dict:
     else:
         config = checkpoint_model_config(opts["checkpoint"], "--checkpoint")
     tp, dp, pp, nproc = opts["tp"], opts["dp"], opts["pp"], opts["nproc"]
-    if pp != 1:
-        raise ConfigError(f"--parallel.pp={pp}: pipeline-parallel generation is not implemented yet; use 1")
-    if tp * dp != nproc:
-        raise ConfigError(f"--parallel.tp={tp} × --parallel.dp={dp} = {tp * dp} must equal --nproc={nproc}")
+    if tp * dp * pp != nproc:
+        raise ConfigError(
+            f"--parallel.tp={tp} × --parallel.dp={dp} × --parallel.pp={pp} = {tp * dp * pp} must equal "
+            f"--nproc={nproc}"
+        )
     check_tp(tp, recipe_for(config))
+    if pp > 1:  # the training split, checked here: tied embeddings, fewer layers than stages
+        from meshspeed.parallel.pipeline.stage import stage_layouts
+
+        try:
+            stage_layouts(recipe_for(config), pp)
+        except ValueError as err:
+            raise ConfigError(f"--parallel.pp={pp}: {err}") from None
     spec = opts.get("tokenizer") or (
         opts["hf"]
         if opts.get("hf") and os.path.isfile(os.path.join(opts["hf"], "tokenizer.json"))
@@ -86,11 +94,11 @@ def worker(job: dict) -> None:
     from meshspeed.train.tokenizer import load_tokenizer
 
     ctx = comm.init()
-    mesh = comm.ParallelDims(tp=job["tp"], dp=job["dp"]).build(ctx)
+    mesh = comm.ParallelDims(tp=job["tp"], dp=job["dp"], pp=job["pp"]).build(ctx)
     if job.get("hf"):
-        model = build_inference_model(hf_recipe(HFCheckpoint(job["hf"], "--hf")), mesh)
+        model, stages = build_inference_model(hf_recipe(HFCheckpoint(job["hf"], "--hf")), mesh)
     else:
-        model = build_inference_model(recipe_for(ModelConfig(**job["model_config"])), mesh)
+        model, stages = build_inference_model(recipe_for(ModelConfig(**job["model_config"])), mesh)
         path = job["checkpoint"]
         if not os.path.isfile(os.path.join(path, COMPLETE)):  # a run directory: newest that verifies
             path, skipped = newest_verified(path, mesh)
@@ -104,7 +112,7 @@ def worker(job: dict) -> None:
     stats = Stats()
     out = generate_parallel(
         model, job["ids"], mesh, max_new_tokens=job["max_new_tokens"], sampling=sampling,
-        eos_id=job["eos_id"], stats=stats,
+        eos_id=job["eos_id"], stats=stats, stages=stages,
     )  # fmt: skip
     if ctx.rank == 0:
         tok = load_tokenizer(job["tokenizer"])
