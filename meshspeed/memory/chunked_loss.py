@@ -10,6 +10,7 @@ cross-entropy, so the tensor-parallel projection and loss run unchanged on each 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -71,3 +72,17 @@ def chunked_loss(
     if not parts:  # nothing counted: the plain loss's value (NaN), still connected to the graph
         return loss_fn(output(hidden[:, :1]), targets[:, :1], ignore_index)
     return torch.stack(parts).sum() / total
+
+
+@contextmanager
+def hidden_states_out(model: nn.Module, head: str = "output"):
+    """Inside, `model`'s forward returns the hidden states that feed `head` (its output
+    projection): the head is swapped for an identity and put back on exit. Its parameters never
+    leave the model for longer than the forward, so names, the optimizer's buckets and
+    checkpoints are untouched. Yields the head, for chunked_loss."""
+    out = getattr(model, head)
+    setattr(model, head, nn.Identity())
+    try:
+        yield out
+    finally:
+        setattr(model, head, out)

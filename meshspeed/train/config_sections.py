@@ -246,6 +246,13 @@ class MemorySection:
         ("none", "activation", "selective", "full"),
     )
     recompute_layers: int = opt(0, "recompute only the first N blocks of each pipeline stage (0 = all)")
+    chunked_loss: bool = opt(
+        False,
+        "output projection + (vocab-parallel) cross-entropy in chunks of memory.loss_chunk positions "
+        "under a checkpoint: the full [batch, seq, vocab/tp] logits never exist (exact up to summation "
+        "order; not with sequence parallelism or pp yet)",
+    )
+    loss_chunk: int = opt(256, "sequence positions per chunk of memory.chunked_loss")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from meshspeed import comm
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
 from meshspeed.kernels.fused import triton_usable
-from meshspeed.memory import apply_recompute
+from meshspeed.memory import apply_recompute, chunked_loss, hidden_states_out
 from meshspeed.models import recipe_for
 from meshspeed.models.flops import flops_per_token
 from meshspeed.models.layers import set_fused_kernels
@@ -30,7 +30,7 @@ from meshspeed.parallel.context import apply_context_parallel, context_parallel,
 from meshspeed.parallel.materialize import build_parallel_model
 from meshspeed.parallel.optim import build_data_parallel, clip_grad_norm_, grad_norm
 from meshspeed.parallel.pipeline.layout import StageLayout
-from meshspeed.parallel.tensor import loss_fn, model_loss, set_tp_overlap
+from meshspeed.parallel.tensor import loss_fn, set_tp_overlap
 from meshspeed.parallel.zero_prefetch import enable_zero_prefetch
 from meshspeed.sparse.cuda import invalidate_compressed
 from meshspeed.train import checkpoint as ckpt
@@ -258,15 +258,20 @@ class Trainer:
             rope = pos if docs is None else shard_sequence(document_positions(docs), pos)
             docs = None if docs is None else shard_sequence(docs, pos)
             x, y = shard_sequence(x, pos), shard_sequence(y, pos)
-            loss = loss_fn(self.model, self.recipe.loss)(self.model(x, positions=rope, doc_ids=docs), y, -100)
-            return loss, self.model.aux_loss()
+            return self._ce(lambda: self.model(x, positions=rope, doc_ids=docs), y), self.model.aux_loss()
         if docs is not None:
-            loss = loss_fn(self.model, self.recipe.loss)(self.model(x, doc_ids=docs), y, -100)
-            return loss, self.model.aux_loss()
-        loss = model_loss(
-            self.model, x, y, aux=False, plain=self.recipe.loss
-        )  # the cross-entropy: what metrics report
-        return loss, self.model.aux_loss()
+            return self._ce(lambda: self.model(x, doc_ids=docs), y), self.model.aux_loss()
+        return self._ce(lambda: self.model(x), y), self.model.aux_loss()  # CE: what metrics report
+
+    def _ce(self, forward, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of forward()'s logits, or, with memory.chunked_loss, of the hidden
+        states projected and scored chunk by chunk (the full logits never exist)."""
+        m = self.cfg.memory
+        if not m.chunked_loss:
+            return loss_fn(self.model, self.recipe.loss)(forward(), y, -100)
+        with hidden_states_out(self.model) as head:
+            h = forward()
+        return chunked_loss(h, y, head, loss_fn(self.model, self.recipe.loss), m.loss_chunk)
 
     @property
     def loss_dtype(self) -> torch.dtype:
