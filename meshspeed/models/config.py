@@ -100,6 +100,11 @@ class ModelConfig:
     """Weight of the load-balancing loss n_experts * sum_e f_e * P_e in `aux_loss()`."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss mean(logsumexp(logits)^2) in `aux_loss()` (ST-MoE)."""
+    router_bias_rate: float = 0.0
+    """> 0: DeepSeek-V3's auxiliary-loss-free balancing. Each router keeps a per-expert bias added
+    to the scores for the top-k choice only (the combine weights stay unbiased), and after every
+    optimizer step moves it by this rate towards the under-loaded experts
+    (`update_routing_bias`). 0: no bias (and no buffer)."""
     moe_every: int = 1
     """Among layers >= first_k_dense, every moe_every-th layer is MoE (1 = all, 2 = alternate)."""
     first_k_dense: int = 0
@@ -135,7 +140,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use a number > 0")
-        for name in ("aux_loss_coef", "z_loss_coef"):
+        for name in ("aux_loss_coef", "z_loss_coef", "router_bias_rate"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} is invalid; use a number >= 0")

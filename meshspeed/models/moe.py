@@ -23,23 +23,38 @@ from .layers import FeedForward
 class TopKRouter(nn.Module):
     """Scores tokens against experts and picks the top k."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, softmax: str = "after_topk"):
+    def __init__(
+        self, dim: int, n_experts: int, top_k: int, softmax: str = "after_topk", bias_rate: float = 0.0
+    ):
         super().__init__()
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.top_k = top_k
         self.softmax = softmax
+        self.bias_rate = bias_rate
+        # DeepSeek-V3's balancing bias [E]: chooses, never weighs. A buffer (no gradient), saved
+        # with checkpoints; only present when used, so other checkpoints keep their keys.
+        self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32) if bias_rate > 0 else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [tokens, dim] -> weights [tokens, k], expert ids [tokens, k], logits [tokens, E]."""
         # At least fp32: the softmax and z-loss are sensitive to bf16, and this matrix is tiny.
         logits = self.gate(x)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if self.softmax == "after_topk":
-            top_logits, experts = logits.topk(self.top_k, dim=-1)
-            weights = top_logits.softmax(dim=-1)
-        else:
-            weights, experts = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+        scores = logits if self.softmax == "after_topk" else logits.softmax(dim=-1)
+        if self.bias is None:
+            top, experts = scores.topk(self.top_k, dim=-1)
+        else:  # the bias picks the experts; the weights come from the unbiased scores
+            experts = (scores + self.bias).topk(self.top_k, dim=-1).indices
+            top = scores.gather(-1, experts)
+        weights = top.softmax(dim=-1) if self.softmax == "after_topk" else top
         return weights, experts, logits
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """counts [E]: tokens routed to each expert over the whole step's batch (every data-parallel
+        rank's, so every rank moves its bias the same way): overloaded experts' bias down by the
+        rate, underloaded ones' up (DeepSeek-V3, sign rule)."""
+        self.bias += self.bias_rate * torch.sign(counts.float().mean() - counts.float())
 
 
 def grouped_mm_available(x: torch.Tensor, *sizes: int) -> bool:
@@ -126,7 +141,9 @@ class MoE(nn.Module):
         self.top_k = config.top_k
         self.aux_loss_coef = config.aux_loss_coef
         self.z_loss_coef = config.z_loss_coef
-        self.router = TopKRouter(config.dim, config.n_experts, config.top_k, config.router_softmax)
+        self.router = TopKRouter(
+            config.dim, config.n_experts, config.top_k, config.router_softmax, config.router_bias_rate
+        )
         self.experts = GroupedExperts(config.dim, hidden, config.n_experts, config.moe_impl, config.init_std)
         # Several shared experts are one wider SwiGLU: same function, one matmul each (DeepSeek).
         self.shared_expert = (
@@ -135,6 +152,7 @@ class MoE(nn.Module):
         self.load_balance_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.step_counts: torch.Tensor | None = None  # [E] summed over this step's training forwards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -171,6 +189,10 @@ class MoE(nn.Module):
         self.load_balance_loss = self.n_experts * (f * probs.mean(dim=0)).sum()
         self.z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
         self.tokens_per_expert = counts.detach()
+        if torch.is_grad_enabled():  # training forwards only (a recompute counts again: the sign
+            # rule of update_bias is blind to a uniform factor, and every micro-batch gets it)
+            c = counts.detach()
+            self.step_counts = c if self.step_counts is None else self.step_counts + c
 
     def aux_loss(self) -> torch.Tensor | None:
         """aux_loss_coef * load_balance + z_loss_coef * z from the last forward; None before one."""

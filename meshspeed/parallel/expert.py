@@ -63,7 +63,7 @@ class ExpertParallelMoE(nn.Module):
             setattr(self.experts, name, shard_parameter(getattr(self.experts, name), "ep", Shard(0), group))
         self.shared_expert = moe.shared_expert
         self.bounds = xc.expert_bounds(n_experts, group.size)
-        self.load_balance_loss = self.z_loss = self.tokens_per_expert = None
+        self.load_balance_loss = self.z_loss = self.tokens_per_expert = self.step_counts = None
         # Reuse the single-device layer's loss bookkeeping (same formulas, this member's tokens).
         self._record_router = moe._record_router.__func__.__get__(self)
         self.aux_loss = moe.aux_loss.__func__.__get__(self)

@@ -50,8 +50,11 @@ def materialize(
                 done[id(p)] = _real(p, names[id(p)], recipe, mesh, seed, device, dtype)
             module._parameters[key] = done[id(p)]
         for key, b in list(module._buffers.items()):
-            if b is not None and b.is_meta:  # derived buffers (RoPE tables): the recipe fills them
-                module._buffers[key] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            if b is not None and b.is_meta:
+                # Derived buffers (RoPE tables) are refilled by the recipe; state buffers (an MoE
+                # router's balancing bias) start at zero, as built on a real device: never
+                # torch.empty's leftover memory.
+                module._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
     tie(model, recipe)
     recipe.finish(model)
     return model

@@ -269,6 +269,14 @@ class MoeSection:
         "(tokens × top_k / n_experts); overflow slots are dropped in token order and pass through "
         "the residual only (0 = dropless)",
     )
+    balance: str = opt(
+        "aux",
+        "load balancing: aux (the auxiliary loss), bias (DeepSeek-V3's loss-free balancing: a "
+        "per-expert routing bias moved after each step towards under-loaded experts; the aux loss "
+        "is then off unless moe.aux_loss_coef is set) or none (neither)",
+        ("aux", "bias", "none"),
+    )
+    bias_update_rate: float = opt(1e-3, "balance=bias: how far each step moves an expert's routing bias")
     aux_loss_coef: float = opt(
         -1.0,
         "weight of the load-balancing loss n_experts · Σ_e f_e·P_e (Switch; = 1 when balanced; "

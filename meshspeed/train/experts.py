@@ -19,14 +19,29 @@ from meshspeed.comm import ConfigError
 from meshspeed.models import ModelConfig
 from meshspeed.parallel.expert import expert_parallel
 
-__all__ = ["apply_expert_parallel", "check_experts", "expert_load", "expert_parallel", "with_moe_settings"]
+__all__ = [
+    "apply_expert_parallel",
+    "check_experts",
+    "expert_load",
+    "expert_parallel",
+    "update_routing_bias",
+    "with_moe_settings",
+]
 
 
 def with_moe_settings(cfg, config: ModelConfig) -> ModelConfig:
-    """The model config with [moe]'s loss coefficients (a negative value keeps the preset's)."""
+    """The model config with [moe]'s balancing and loss coefficients (a negative coefficient keeps
+    the preset's, except that balance=bias or none turns the auxiliary loss off by default)."""
     m = cfg.moe
-    changes = {k: v for k in ("aux_loss_coef", "z_loss_coef") if (v := getattr(m, k)) >= 0}
-    return dataclasses.replace(config, **changes) if changes and config.n_experts else config
+    if not config.n_experts:
+        return config
+    changes = {}
+    if m.balance != "aux":
+        changes["aux_loss_coef"] = 0.0
+    if m.balance == "bias":
+        changes["router_bias_rate"] = m.bias_update_rate
+    changes.update({k: v for k in ("aux_loss_coef", "z_loss_coef") if (v := getattr(m, k)) >= 0})
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def uses_expert_layer(cfg) -> bool:
@@ -37,6 +52,8 @@ def uses_expert_layer(cfg) -> bool:
 def check_experts(cfg, config: ModelConfig) -> None:
     """One line for each expert setting that cannot work with this model and layout."""
     p, m = cfg.parallel, cfg.moe
+    if m.balance == "bias" and not m.bias_update_rate > 0:
+        raise ConfigError(f"moe.bias_update_rate={m.bias_update_rate:g} must be > 0 with moe.balance=bias")
     if not uses_expert_layer(cfg):
         return
     what = f"parallel.ep={p.ep}" if p.ep > 1 else f"moe.capacity_factor={m.capacity_factor:g}"
@@ -70,6 +87,24 @@ def apply_expert_parallel(model: nn.Module, mesh, cfg) -> None:
     if uses_expert_layer(cfg):
         m = cfg.moe
         expert_parallel(model, mesh["ep"], m.dispatcher, m.capacity_factor or None)
+
+
+def update_routing_bias(model: nn.Module, group: comm.Group, apply: bool = True) -> None:
+    """After the optimizer step: each MoE layer's tokens per expert over the step (all of its
+    training forwards), summed over `group` (dp × cp: the whole batch), move the routing bias of
+    the layers that balance by bias (`apply`: False for a skipped step). Resets the counts."""
+    mods = [m for m in _moe_modules(model) if getattr(m, "step_counts", None) is not None]
+    counts = [m.step_counts for m in mods]
+    for m in mods:
+        m.step_counts = None
+    biased = [(m, c) for m, c in zip(mods, counts) if getattr(m.router, "bias", None) is not None]
+    if not apply or not biased:
+        return
+    stacked = torch.stack([c.to(torch.float64) for _, c in biased])  # [layers, E]: one collective
+    if group.size > 1:
+        stacked = comm.all_reduce(stacked, group, "sum")
+    for (m, _), c in zip(biased, stacked):
+        m.router.update_bias(c)
 
 
 def expert_load(model: nn.Module, group: comm.Group) -> float | None:

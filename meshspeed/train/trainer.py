@@ -37,7 +37,7 @@ from meshspeed.train import checkpoint as ckpt
 from meshspeed.train import config as config_mod
 from meshspeed.train.ckpt_dirs import CheckpointError, newest_verified
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
-from meshspeed.train.experts import apply_expert_parallel, expert_load
+from meshspeed.train.experts import apply_expert_parallel, expert_load, update_routing_bias
 from meshspeed.train.export import export_safetensors
 from meshspeed.train.hf_export import export_hf, source_hf_config
 from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
@@ -322,6 +322,8 @@ class Trainer:
             invalidate_compressed(self.model)
             # mask updates read this step's reduced (STE) gradients: after step(), before zero_grad()
             sparse = self.sparsity.after_step(step) if self.sparsity is not None else {}
+        if self.model_config.n_experts:  # DeepSeek-V3 routing bias (balance=bias); counts reset
+            update_routing_bias(self.model, self.mesh["dp_cp"], apply=finite)
         self.opt.zero_grad()
         elapsed = time.perf_counter() - t0
         row = {

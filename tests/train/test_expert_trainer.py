@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests import harness
 from tests.train.test_trainer import job_losses, job_run
@@ -168,3 +169,25 @@ def test_fine_grained_preset_at_ep_4_equals_one_process(tmp_path):
     got = harness.run(4, job_losses, str(tmp_path / "ep4"), fine + [("parallel.ep", "4")], STEPS)
     for rank_losses in got:
         _close(rank_losses, want)
+
+
+def job_bias(ctx, run_dir: str, extra: list, steps: int):
+    from meshspeed.train.trainer import Trainer
+    from tests.train.test_trainer import _cfg
+
+    trainer = Trainer(_cfg(run_dir, extra + [("train.steps", str(steps))]), ctx)
+    losses = [trainer.train_step(s)["loss"] for s in range(steps)]
+    biases = [m.router.bias.clone() for m in trainer.model.moe_layers().values()]
+    return losses, torch.stack(biases).tolist()
+
+
+@pytest.mark.parametrize("ws,extra", [(2, [("parallel.ep", "2")]), (2, [])], ids=["ep2", "dp2"])
+def test_bias_balancing_is_layout_independent(tmp_path, ws, extra):
+    """balance=bias: each step's counts are summed over the whole batch before the bias moves, so
+    every rank's bias equals one process's, and so do the losses (routing depends on the bias)."""
+    bias = MOE + [("moe.balance", "bias"), ("moe.bias_update_rate", "0.05")]
+    want_losses, want_bias = harness.run(1, job_bias, str(tmp_path / "one"), bias, STEPS)[0]
+    assert any(abs(b) > 0 for row in want_bias for b in row)
+    for losses, biases in harness.run(ws, job_bias, str(tmp_path / "n"), bias + extra, STEPS):
+        _close(losses, want_losses)
+        assert biases == want_bias

@@ -104,6 +104,10 @@ BAD = [
         + ["--moe.dispatcher", "allgather"],
         "needs moe.dispatcher=alltoall",
     ),
+    (
+        ["--model.preset", "tiny-moe", "--moe.balance", "bias", "--moe.bias_update_rate", "0"],
+        "moe.bias_update_rate=0 must be > 0 with moe.balance=bias",
+    ),
 ]
 
 
