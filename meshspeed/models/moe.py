@@ -235,7 +235,7 @@ class TensorParallelMoE(MoE):
         if self.shared_expert is not None:  # plain linears on pieces: this layer does the reduce
             for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
                 _tp_piece(getattr(self.shared_expert, name), "weight", dim, group)
-        self.load_balance_loss = self.z_loss = self.tokens_per_expert = None
+        self.load_balance_loss = self.z_loss = self.tokens_per_expert = self.step_counts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # [batch, seq/tp, dim] -> all tokens [batch, seq, dim]
