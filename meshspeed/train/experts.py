@@ -54,6 +54,8 @@ def check_experts(cfg, config: ModelConfig) -> None:
     p, m = cfg.parallel, cfg.moe
     if m.balance == "bias" and not m.bias_update_rate > 0:
         raise ConfigError(f"moe.bias_update_rate={m.bias_update_rate:g} must be > 0 with moe.balance=bias")
+    if m.capacity_factor < 0:
+        raise ConfigError(f"moe.capacity_factor={m.capacity_factor:g} must be > 0, or 0 for dropless")
     if not uses_expert_layer(cfg):
         return
     what = f"parallel.ep={p.ep}" if p.ep > 1 else f"moe.capacity_factor={m.capacity_factor:g}"
@@ -71,8 +73,6 @@ def check_experts(cfg, config: ModelConfig) -> None:
             "with tensor parallelism the experts are split over tp instead (set tp=1, or leave "
             "ep=1 and capacity_factor=0)"
         )
-    if m.capacity_factor < 0:
-        raise ConfigError(f"moe.capacity_factor={m.capacity_factor:g} must be > 0, or 0 for dropless")
     if m.capacity_factor > 0 and m.dispatcher != "alltoall":
         raise ConfigError(
             f"moe.capacity_factor={m.capacity_factor:g} needs moe.dispatcher=alltoall (the allgather "

@@ -108,6 +108,7 @@ BAD = [
         ["--model.preset", "tiny-moe", "--moe.balance", "bias", "--moe.bias_update_rate", "0"],
         "moe.bias_update_rate=0 must be > 0 with moe.balance=bias",
     ),
+    (["--model.preset", "tiny-moe", "--moe.capacity_factor", "-1"], "moe.capacity_factor=-1 must be > 0"),
 ]
 
 

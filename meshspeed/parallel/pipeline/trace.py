@@ -82,7 +82,10 @@ def p2p_latency(
                 continue
             k = seen[(a.peer, rank)] = seen.get((a.peer, rank), -1) + 1
             if end - start >= min_wait:
-                samples.append(end - sends[(a.peer, rank)][k])
+                # Ranks share a clock origin only up to how far apart they left the barrier
+                # (a scheduling quantum on a busy host), so a delivery can appear to end
+                # before its send began: that sample says "about zero", not negative time.
+                samples.append(max(0.0, end - sends[(a.peer, rank)][k]))
     return median(samples) if samples else 0.0
 
 
