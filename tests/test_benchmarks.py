@@ -116,3 +116,13 @@ def test_build_memory_benchmark_runs(tmp_path):
         assert before["peak_growth"] >= 0.8 * full, before  # every rank held the whole model
         assert after["peak_growth"] < before["peak_growth"], (before, after)
     assert len(data["ratios"]["per_rank"]) == 2 and all(x > 0 for x in data["ratios"]["per_rank"])
+
+
+@pytest.mark.slow
+def test_moe_benchmark_runs():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe.py"), "--ep", "2", "--dim", "32"]
+    cmd += ["--hidden", "64", "--tokens", "64", "--steps", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for line in ("ep a2a serial", "shared-expert overlap (2 shared)", "torch._grouped_mm"):
+        assert line in out.stdout, out.stdout

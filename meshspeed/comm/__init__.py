@@ -8,7 +8,10 @@ h = comm.all_gather(x, mesh["tp"], dim=-1, async_op=True); ...; y = h.wait()
 
 from meshspeed.comm import placement
 from meshspeed.comm.autograd import (
+    InFlight,
     all_to_all_ad,
+    all_to_all_start,
+    all_to_all_wait,
     copy_to,
     gather_from,
     gather_sp,
@@ -57,7 +60,10 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "InFlight",
     "all_to_all_ad",
+    "all_to_all_start",
+    "all_to_all_wait",
     "barrier",
     "batch",
     "broadcast",

@@ -9,6 +9,8 @@ the gradients exact (Megatron's f/g operators and their sequence-parallel forms)
     gather_sp        all-gather      | reduce-scatter   (sequence parallel: before the matmuls)
     reduce_scatter_sp reduce-scatter | all-gather       (sequence parallel: after them)
     all_to_all_ad    all-to-all      | all-to-all with the splits swapped (MoE dispatch)
+    all_to_all_start / all_to_all_wait: all_to_all_ad split in two, so compute placed between
+                     them runs while the exchange is in flight, forward and backward
 
 Chunks follow tensor_split's convention, so extents need not divide the group size.
 """
@@ -101,6 +103,63 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return C.all_to_all(g.contiguous(), ctx.group, ctx.out_splits, ctx.in_splits), None, None, None
+
+
+class InFlight:
+    """The all-to-all between all_to_all_start and all_to_all_wait: the forward exchange, and
+    in backward the reverse one (launched by the wait's backward, awaited by the start's)."""
+
+    def __init__(self):
+        self.fwd = self.bwd = None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, in_splits, out_splits, flight):
+        ctx.flight = flight
+        flight.fwd = C.all_to_all(x, group, in_splits, out_splits, async_op=True)
+        return x.new_empty(0)  # a token: orders the wait after the start in the graph
+
+    @staticmethod
+    def backward(ctx, _token):
+        g = ctx.flight.bwd.wait()
+        ctx.flight.bwd = None
+        return g, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, group, in_splits, out_splits, flight):
+        ctx.group, ctx.in_splits, ctx.out_splits, ctx.flight = group, in_splits, out_splits, flight
+        out = flight.fwd.wait()
+        flight.fwd = None
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        # Launch the reverse exchange and return at once. Autograd then runs the nodes
+        # recorded between start and wait in forward (they have higher sequence numbers than
+        # the start's node, so the engine prefers them) before the start's backward waits.
+        ctx.flight.bwd = C.all_to_all(g.contiguous(), ctx.group, ctx.out_splits, ctx.in_splits, async_op=True)
+        return g.new_zeros(0), None, None, None, None
+
+
+def all_to_all_start(
+    x: torch.Tensor, group: Group, in_splits: list[int], out_splits: list[int], flight: InFlight
+) -> torch.Tensor:
+    """Launch all_to_all_ad's exchange of x and return a token for all_to_all_wait. The group
+    must have more than one member (with one, use all_to_all_ad: there is nothing to hide)."""
+    if group.size < 2:
+        raise ValueError("all_to_all_start needs a group of 2 or more members; use all_to_all_ad")
+    return _AllToAllStart.apply(x, group, in_splits, out_splits, flight)
+
+
+def all_to_all_wait(
+    token: torch.Tensor, group: Group, in_splits: list[int], out_splits: list[int], flight: InFlight
+) -> torch.Tensor:
+    """The rows all_to_all_start's exchange delivered (same arguments). Same values and
+    gradients as all_to_all_ad."""
+    return _AllToAllWait.apply(token, group, in_splits, out_splits, flight)
 
 
 def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -62,6 +62,8 @@ class ExpertParallelMoE(nn.Module):
         for name in ("w1", "w2", "w3"):  # [E, ...] -> [local_experts, ...]
             setattr(self.experts, name, shard_parameter(getattr(self.experts, name), "ep", Shard(0), group))
         self.shared_expert = moe.shared_expert
+        # moe.overlap_shared: same numbers either way; off only to measure what it hides
+        self.overlap_shared = True
         self.bounds = xc.expert_bounds(n_experts, group.size)
         self.load_balance_loss = self.z_loss = self.tokens_per_expert = self.step_counts = None
         # Reuse the single-device layer's loss bookkeeping (same formulas, this member's tokens).
@@ -74,12 +76,13 @@ class ExpertParallelMoE(nn.Module):
         weights, experts, logits = self.router(x)
         counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # [E]
         self._record_router(logits, counts)
+        shared = None
         if self.dispatcher == "alltoall":
-            out = self._alltoall(x, weights, experts, counts)
+            out, shared = self._alltoall(x, weights, experts, counts)
         else:
             out = self._allgather(x, weights, experts)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+            out = out + (self.shared_expert(x) if shared is None else shared)
         return out.view(shape)
 
     def _alltoall(self, x, weights, experts, counts) -> torch.Tensor:
@@ -90,7 +93,16 @@ class ExpertParallelMoE(nn.Module):
         all_counts = xc.exchange_counts(counts, self.group)  # [ep, E]
         send, recv, runs = xc.splits(all_counts, self.bounds, self.group.rank)
         # Slots sorted by expert are already grouped by destination member (experts are blocks).
-        received = xc.dispatch(x[order // k], self.group, send, recv)  # [recv_total, dim]
+        rows, shared = x[order // k], None
+        if self.overlap_shared and self.shared_expert is not None and self.group.size > 1:
+            # The shared expert needs no routing: it runs while the dispatch is in flight,
+            # and in backward while the reverse exchange is (expert_comm.dispatch_wait).
+            flight = comm.InFlight()
+            token = xc.dispatch_start(rows, self.group, send, recv, flight)
+            shared = self.shared_expert(x)
+            received = xc.dispatch_wait(token, self.group, send, recv, flight)
+        else:
+            received = xc.dispatch(rows, self.group, send, recv)  # [recv_total, dim]
         perm = xc.source_to_expert_order(runs)  # received row -> expert-major position
         y = self.experts(received[perm], runs.sum(0))  # [recv_total, dim], expert-major
         y = y[_inverse(perm)]  # back to source-major, as received
@@ -98,7 +110,7 @@ class ExpertParallelMoE(nn.Module):
         # dropped slots stay zero (they pass through the residual only)
         y = y_sorted.new_zeros(n_tokens * k, y_sorted.shape[-1]).index_copy(0, order, y_sorted)
         y = y.view(n_tokens, k, -1)
-        return (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+        return (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1), shared
 
     def _drop_overflow(self, order, flat_experts, counts, n_slots):
         """Keep the first `capacity` slots of each expert in token order (this rank's tokens,

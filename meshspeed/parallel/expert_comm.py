@@ -61,6 +61,18 @@ def dispatch(x: torch.Tensor, group, send: list[int], recv: list[int]) -> torch.
     return comm.all_to_all_ad(x, group, send, recv)
 
 
+def dispatch_start(x: torch.Tensor, group, send: list[int], recv: list[int], flight) -> torch.Tensor:
+    """dispatch split in two (group of 2 or more): launch the exchange, return a token; the
+    caller computes what does not depend on routing, then calls dispatch_wait."""
+    return comm.all_to_all_start(x, group, send, recv, flight)
+
+
+def dispatch_wait(token: torch.Tensor, group, send: list[int], recv: list[int], flight) -> torch.Tensor:
+    """The rows dispatch_start's exchange delivered; backward launches the reverse exchange
+    and the compute recorded in between runs while it is in flight."""
+    return comm.all_to_all_wait(token, group, send, recv, flight)
+
+
 def combine(y: torch.Tensor, group, send: list[int], recv: list[int]) -> torch.Tensor:
     """Inverse of dispatch: expert outputs [recv_total, dim] back to their source ranks."""
     return comm.all_to_all_ad(y, group, recv, send)

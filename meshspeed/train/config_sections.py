@@ -283,6 +283,11 @@ class MoeSection:
         "Hugging Face's Mixtral loss is top_k times it); < 0 = the preset's",
     )
     z_loss_coef: float = opt(-1.0, "weight of the router z-loss mean(logsumexp(logits)²); < 0 = the preset's")
+    overlap_shared: bool = opt(
+        True,
+        "under ep with the alltoall dispatcher, compute the shared experts while the dispatch "
+        "all-to-all is in flight (and their backward while its reverse is); same numbers either way",
+    )
 
 
 @dataclass

@@ -87,6 +87,8 @@ def apply_expert_parallel(model: nn.Module, mesh, cfg) -> None:
     if uses_expert_layer(cfg):
         m = cfg.moe
         expert_parallel(model, mesh["ep"], m.dispatcher, m.capacity_factor or None)
+        for layer in _moe_modules(model):
+            layer.overlap_shared = m.overlap_shared
 
 
 def update_routing_bias(model: nn.Module, group: comm.Group, apply: bool = True) -> None:

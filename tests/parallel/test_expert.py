@@ -236,3 +236,36 @@ def job_capacity(ctx, cf: float) -> list[str]:
 def test_capacity_factor_drops_overflow(ep):
     for cf in (0.5, 1.0, 4.0):  # heavy drops, some, none
         assert harness.run(ep, job_capacity, cf) == [[]] * ep, f"capacity_factor={cf}"
+
+
+def job_overlap_same(ctx) -> list[str]:
+    """The shared expert computed while the dispatch is in flight (moe.overlap_shared) gives the
+    same output and gradients as computed after it, and the overlapped path did run."""
+    g = ctx.world
+    config = _config(8, 3, 2)
+    x_all = torch.randn(g.size * TOKENS, DIM, generator=torch.Generator().manual_seed(11))
+    rows = slice(g.rank * TOKENS, (g.rank + 1) * TOKENS)
+    results, starts = [], []
+    import meshspeed.parallel.expert_comm as xc
+
+    real_start = xc.dispatch_start
+    for overlap in (True, False):
+        layer = ExpertParallelMoE(_layer(config), g, "alltoall")
+        layer.overlap_shared = overlap
+        x = x_all[rows].clone().requires_grad_()
+        xc.dispatch_start = lambda *a, _s=real_start: (starts.append(overlap), _s(*a))[1]
+        try:
+            out = layer(x)
+            (out.square().sum() + layer.z_loss).backward()
+        finally:
+            xc.dispatch_start = real_start
+        results.append([out.detach(), x.grad] + [q.grad for q in layer.parameters()])
+    bad = [f"tensor {i} differs" for i, (a, b) in enumerate(zip(*results)) if not torch.equal(a, b)]
+    if starts != [True]:
+        bad.append(f"dispatch_start calls {starts}, want one with overlap on only")
+    return bad
+
+
+@pytest.mark.parametrize("ep", [2, 3])
+def test_shared_expert_overlap_is_exact(ep):
+    assert harness.run(ep, job_overlap_same) == [[]] * ep
