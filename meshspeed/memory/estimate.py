@@ -11,7 +11,7 @@ dtype. Float32 statistics (RMSNorm's rsqrt, the attention log-sum-exp) are 4 byt
 - SwiGLU (local hidden f): w1 x, silu(w1 x), w3 x and the product: 4·T·f·e; `activation`
   keeps only w1 x and w3 x: 2·T·f·e;
 - `full`: the block input, T·dim·e.
-Dense blocks only (MoE blocks are not modelled yet); tensor parallelism divides heads and
+MoE blocks (`moe_ffn_bytes`) replace the SwiGLU term; tensor parallelism divides heads and
 hidden by tp. Under sequence parallelism the norms run on T/tp rows and each column-parallel
 projection (wq, wk, wv, w1, w3) keeps its own all-gathered T-row input: 5·T·dim·e per block.
 """
@@ -31,8 +31,10 @@ def layer_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     elem: int = 4,
+    moe: dict | None = None,
 ) -> int:
-    """Saved bytes of one dense block for one micro-batch of `tokens` tokens on one tp rank."""
+    """Saved bytes of one block for one micro-batch of `tokens` tokens on one tp rank: dense,
+    or with `moe` (moe_ffn_bytes's model arguments) an MoE feed-forward."""
     t = tokens
     if mode == "full":
         return (-(-t // tp) if sequence_parallel else t) * dim * elem  # the (sequence-sharded) input
@@ -49,8 +51,59 @@ def layer_activation_bytes(
         attn = t * head_dim * (2 * heads + 2 * kv) * elem
     else:
         attn = 4 * t * heads * head_dim * elem + 4 * t * heads
-    ffn = (2 if mode in ("activation", "selective") else 4) * t * f * elem
+    if moe:
+        ffn = moe_ffn_bytes(tokens=t, dim=dim, mode=mode, tp=tp, elem=elem, **moe)
+    else:
+        ffn = (2 if mode in ("activation", "selective") else 4) * t * f * elem
     return norms + attn + ffn
+
+
+def moe_shape(model) -> dict | None:
+    """moe_ffn_bytes's model arguments from a ModelConfig (read by name), None if dense."""
+    if not getattr(model, "n_experts", 0):
+        return None
+    return dict(
+        n_experts=model.n_experts,
+        top_k=model.top_k,
+        hidden=model.moe_ffn_dim,
+        shared_hidden=model.n_shared_experts * model.moe_ffn_dim,
+        softmax_first=model.router_softmax != "after_topk",
+    )
+
+
+def is_moe_layer(model, i: int) -> bool:
+    return bool(getattr(model, "n_experts", 0)) and model.is_moe_layer(i)
+
+
+def moe_ffn_bytes(
+    *,
+    tokens: int,
+    dim: int,
+    n_experts: int,
+    top_k: int,
+    hidden: int,
+    shared_hidden: int = 0,
+    softmax_first: bool = False,
+    mode: str = "none",
+    tp: int = 1,
+    elem: int = 4,
+) -> int:
+    """Saved bytes of one MoE feed-forward (router, routed experts, shared experts) for T tokens
+    on one rank, replacing the SwiGLU term of `layer_activation_bytes`. S = T·k routed slots
+    (under expert parallelism the slots a rank receives: T·k in expectation, balanced routing).
+    - router, float32: the logits and their softmax (aux/z losses), the log-sum-exp, the top-k
+      ids (int64) and weights; a softmax before the top-k keeps one more [T, E];
+    - routed: the slot order and its inverse (int64), the expert input rows and the weighted
+      output rows (S·dim each), and per expert SwiGLU's four [rows, hidden/tp];
+    - shared experts: a SwiGLU of width shared_hidden/tp (`activation` recompute halves it;
+      the routed experts are not recomputed).
+    Under tensor parallelism every rank routes all T tokens and keeps its hidden slice."""
+    t, s = tokens, tokens * top_k
+    f, fs = -(-hidden // tp), -(-shared_hidden // tp)
+    router = t * n_experts * 4 * (3 if softmax_first else 2) + 4 * t + t * top_k * (8 + 4)
+    routed = 2 * s * 8 + 2 * s * dim * elem + 4 * s * f * elem
+    shared = (2 if mode in ("activation", "selective") else 4) * t * fs * elem
+    return router + routed + shared
 
 
 def head_activation_bytes(
@@ -81,8 +134,9 @@ def model_activation_bytes(
     sequence_parallel: bool = False,
     elem: int = 4,
 ) -> int:
-    """Saved bytes of `n_layers` dense blocks (default: the model's) plus the head, with
-    recompute `mode` in the first `layers` of them; `model` is a ModelConfig (read by name)."""
+    """Saved bytes of the first `n_layers` blocks (default: all the model's; MoE ones as such)
+    plus the head, with recompute `mode` in the first `layers` of them; `model` is a ModelConfig
+    (read by name)."""
     n = model.n_layers if n_layers is None else n_layers
     chosen = n if layers is None else min(layers, n)
     shape = dict(
@@ -96,8 +150,12 @@ def model_activation_bytes(
         sequence_parallel=sequence_parallel,
         elem=elem,
     )
-    total = chosen * layer_activation_bytes(mode=mode, **shape) + (n - chosen) * layer_activation_bytes(
-        **shape
+    moe = moe_shape(model)
+    total = sum(
+        layer_activation_bytes(
+            mode=mode if i < chosen else "none", moe=moe if is_moe_layer(model, i) else None, **shape
+        )
+        for i in range(n)
     )
     if head:
         total += head_activation_bytes(

@@ -107,8 +107,11 @@ class ExpertParallelMoE(nn.Module):
         y = self.experts(received[perm], runs.sum(0))  # [recv_total, dim], expert-major
         y = y[_inverse(perm)]  # back to source-major, as received
         y_sorted = xc.combine(y, self.group, send, recv)  # [kept slots, dim] in `order`
-        # dropped slots stay zero (they pass through the residual only)
-        y = y_sorted.new_zeros(n_tokens * k, y_sorted.shape[-1]).index_copy(0, order, y_sorted)
+        if self.capacity_factor is None:  # dropless: `order` is a permutation of the slots
+            # (an index keeps only the indices for backward; index_copy would keep y_sorted)
+            y = y_sorted[_inverse(order)]
+        else:  # dropped slots stay zero (they pass through the residual only)
+            y = y_sorted.new_zeros(n_tokens * k, y_sorted.shape[-1]).index_copy(0, order, y_sorted)
         y = y.view(n_tokens, k, -1)
         return (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1), shared
 
