@@ -15,12 +15,13 @@ What is exact and what is a model:
   peak number of micro-batches whose forward has run and backward has not (from its
   simulation); recompute applies to the first `memory.recompute_layers` layers of each stage;
 - buffers: the sequence-parallel all-gather of one layer's input (tp > 1 with SP).
-MoE blocks are estimated as dense blocks of the same ffn width (not modelled yet).
+MoE blocks count their router, routed slots (T·k per rank: balanced routing, also under ep)
+and shared experts (`meshspeed.memory.estimate.moe_ffn_bytes`).
 """
 
 from __future__ import annotations
 
-from meshspeed.memory.estimate import head_activation_bytes, layer_activation_bytes
+from meshspeed.memory.estimate import head_activation_bytes, is_moe_layer, layer_activation_bytes, moe_shape
 
 BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -51,23 +52,28 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
         elem=b,
     )
 
-    def layers_bytes(n: int) -> float:
-        chosen = n if recompute_layers is None else min(recompute_layers, n)
-        return chosen * layer_activation_bytes(mode=mode, **shape) + (n - chosen) * layer_activation_bytes(
-            **shape
+    moe = moe_shape(model)
+
+    def layers_bytes(ids) -> float:
+        """Layers `ids` (model layer indices, in order), the first recompute_layers recomputed."""
+        chosen = len(ids) if recompute_layers is None else min(recompute_layers, len(ids))
+        return sum(
+            layer_activation_bytes(
+                mode=mode if j < chosen else "none", moe=moe if is_moe_layer(model, i) else None, **shape
+            )
+            for j, i in enumerate(ids)
         )
 
     pp_rank = coords["pp"]
     mine = [st for st in plan.stages if st["rank"] == pp_rank] if dims.pp > 1 else []
     if mine:
-        layers = sum(len(st["layers"]) for st in mine)
         chunks = len(mine)
         in_flight = plan.peak_microbatches[pp_rank] if plan.peak_microbatches else chunks
-        # peak counts chunk-micro-batches: each holds one chunk's layers
-        acts = in_flight * layers_bytes(round(layers / chunks))
+        # peak counts chunk-micro-batches: each holds one chunk's layers (their mean)
+        acts = in_flight * sum(layers_bytes(st["layers"]) for st in mine) / chunks
         head = any(st["head"] for st in mine)
     else:
-        acts = layers_bytes(model.n_layers)
+        acts = layers_bytes(range(model.n_layers))
         head = True
     if head:
         acts += head_activation_bytes(
