@@ -4,7 +4,7 @@ Sits beside parallel/ and sparse/: it transforms a built model from outside (by 
 and the recipe's pipeline units) and never imports models/.
 """
 
-from .chunked_loss import chunked_loss, hidden_states_out
+from .chunked_loss import chunked_loss, chunked_model_loss, hidden_states_out
 from .count import SavedBytes, count_saved
 from .recompute import RECOMPUTE_MODES, apply_recompute
 
@@ -13,6 +13,7 @@ __all__ = [
     "SavedBytes",
     "apply_recompute",
     "chunked_loss",
+    "chunked_model_loss",
     "count_saved",
     "hidden_states_out",
 ]

@@ -38,21 +38,29 @@ def chunked_loss(
     loss_fn: Callable,
     chunk: int,
     ignore_index: int = -100,
+    sp_ranks: int = 1,
 ) -> torch.Tensor:
     """Mean cross-entropy of `output(hidden)` against targets, `chunk` positions at a time.
 
-    hidden [batch, seq, dim] (the full sequence: under sequence parallelism gather it first),
-    targets [batch, seq]; loss_fn(logits, targets, ignore_index) -> mean over counted tokens.
-    Equal to loss_fn(output(hidden), targets) up to float summation order.
+    hidden [batch, seq, dim], targets [batch, seq]; loss_fn(logits, targets, ignore_index) ->
+    mean over counted tokens. Equal to loss_fn(output(hidden), targets) up to float summation
+    order. Under sequence parallelism (`sp_ranks` = tp > 1) hidden is this rank's block
+    [batch, seq/tp, dim] and `output` gathers the sequence: chunk j of every rank's block makes
+    one gathered chunk, rank-major, so its targets are column j of targets viewed
+    [batch, tp, seq/tp] (every rank cuts the same chunks, so the gathers match).
     """
     if chunk < 1:
         raise ValueError(f"memory.chunked_loss chunk={chunk}; use a positive number of positions")
-    counts = [
-        (targets[:, i : i + chunk] != ignore_index).sum().item() for i in range(0, targets.shape[1], chunk)
-    ]
+    blocks = targets.view(targets.shape[0], sp_ranks, -1)  # [batch, tp, seq/tp]
+    starts = range(0, blocks.shape[2], chunk)
+
+    def chunk_targets(i: int) -> torch.Tensor:
+        return blocks[:, :, i : i + chunk].reshape(targets.shape[0], -1)
+
+    counts = [(chunk_targets(i) != ignore_index).sum().item() for i in starts]
     total = sum(counts)
     parts = []
-    for j, i in enumerate(range(0, targets.shape[1], chunk)):
+    for j, i in enumerate(starts):
         if counts[j] == 0:  # every position ignored: no term (its mean would be 0 / 0)
             continue
         h = hidden[:, i : i + chunk]
@@ -61,7 +69,7 @@ def chunked_loss(
             checkpoint(
                 _chunk_sum,
                 h,
-                targets[:, i : i + chunk],
+                chunk_targets(i),
                 output,
                 loss_fn,
                 ignore_index,
@@ -70,8 +78,24 @@ def chunked_loss(
             )
         )
     if not parts:  # nothing counted: the plain loss's value (NaN), still connected to the graph
-        return loss_fn(output(hidden[:, :1]), targets[:, :1], ignore_index)
+        return loss_fn(output(hidden[:, :1]), blocks[:, :, :1].reshape(targets.shape[0], -1), ignore_index)
     return torch.stack(parts).sum() / total
+
+
+def chunked_model_loss(
+    model: nn.Module,
+    forward: Callable[[], torch.Tensor],
+    targets: torch.Tensor,
+    loss_fn: Callable,
+    chunk: int,
+    sp_ranks: int = 1,
+    head: str = "output",
+) -> torch.Tensor:
+    """`forward()` runs `model` (or the last pipeline stage of it) with its output projection
+    swapped out, then the loss is taken chunk by chunk (chunked_loss)."""
+    with hidden_states_out(model, head) as out:
+        hidden = forward()
+    return chunked_loss(hidden, targets, out, loss_fn, chunk, sp_ranks=sp_ranks)
 
 
 @contextmanager

@@ -250,7 +250,7 @@ class MemorySection:
         False,
         "output projection + (vocab-parallel) cross-entropy in chunks of memory.loss_chunk positions "
         "under a checkpoint: the full [batch, seq, vocab/tp] logits never exist (exact up to summation "
-        "order; not with sequence parallelism or pp yet)",
+        "order; with sequence parallelism each rank's block is cut, with pp the last stage's)",
     )
     loss_chunk: int = opt(256, "sequence positions per chunk of memory.chunked_loss")
 

@@ -14,8 +14,10 @@ import os
 import torch
 
 from meshspeed.comm import ConfigError
+from meshspeed.memory import chunked_model_loss
 from meshspeed.parallel.pipeline.actions import ScheduleError
 from meshspeed.parallel.pipeline.schedules import get_schedule
+from meshspeed.parallel.tensor import loss_fn
 
 
 def check(cfg, recipe, microbatches: int):
@@ -92,6 +94,13 @@ class TrainerPipeline:
             trace=p.pp_trace,
             positions=None if cp is None else cp.positions(t.seq_len),
         )
+        if cfg.memory.chunked_loss and self.stages.has_head:
+            lf = loss_fn(self.model, recipe.loss)
+            sp = p.tp if p.sequence_parallel and p.tp > 1 else 1
+            chunk = cfg.memory.loss_chunk
+            self.runtime.last_loss = lambda forward, y: chunked_model_loss(
+                self.model, forward, y, lf, chunk, sp
+            )
         self._slice = None if cp is None else self.runtime.positions.cpu()
         self.trace_files: dict | None = None
 

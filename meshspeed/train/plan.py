@@ -119,13 +119,6 @@ def _check_model(cfg, config: ModelConfig, recipe) -> None:
         check_exportable(config, "checkpoint.export_hf=true: ")
     check_experts(cfg, config)
     m = cfg.memory
-    if m.chunked_loss and p.sequence_parallel and p.tp > 1:
-        raise ConfigError(
-            "memory.chunked_loss=true with parallel.sequence_parallel=true: the chunks would cut each "
-            "rank's sequence block, not the sequence; turn one of them off"
-        )
-    if m.chunked_loss and p.pp > 1:
-        raise ConfigError(f"memory.chunked_loss=true with parallel.pp={p.pp} is not supported yet; use pp=1")
     if m.loss_chunk < 1:
         raise ConfigError(f"memory.loss_chunk={m.loss_chunk} must be ≥ 1 (sequence positions per chunk)")
 

@@ -21,7 +21,7 @@ from meshspeed import comm
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
 from meshspeed.kernels.fused import triton_usable
-from meshspeed.memory import apply_recompute, chunked_loss, hidden_states_out
+from meshspeed.memory import apply_recompute, chunked_model_loss
 from meshspeed.models import recipe_for
 from meshspeed.models.flops import flops_per_token
 from meshspeed.models.layers import set_fused_kernels
@@ -269,9 +269,11 @@ class Trainer:
         m = self.cfg.memory
         if not m.chunked_loss:
             return loss_fn(self.model, self.recipe.loss)(forward(), y, -100)
-        with hidden_states_out(self.model) as head:
-            h = forward()
-        return chunked_loss(h, y, head, loss_fn(self.model, self.recipe.loss), m.loss_chunk)
+        p = self.cfg.parallel
+        sp = p.tp if p.sequence_parallel and p.tp > 1 else 1  # the head gathers each chunk's rows
+        return chunked_model_loss(
+            self.model, forward, y, loss_fn(self.model, self.recipe.loss), m.loss_chunk, sp
+        )
 
     @property
     def loss_dtype(self) -> torch.dtype:

@@ -1,6 +1,7 @@
 """`--memory.chunked_loss` in the trainer: losses equal the run without it (float32, ≤ 1e-5
 relative: only the summation order changes) under dp 2 × tp 2 (vocab-parallel loss per chunk),
-dp 4 + ZeRO-1 and cp 2; the setting's impossible combinations are one line in the plan."""
+with sequence parallelism (each rank's block cut in chunks, gathered per chunk), dp 4 + ZeRO-1,
+cp 2, pp 2 (the last stage's loss) and pp 2 × tp 2 with SP; a bad chunk is one line in the plan."""
 
 from __future__ import annotations
 
@@ -16,33 +17,44 @@ LAYOUTS = {
     "dp2-tp2": [("parallel.tp", "2")],
     "dp4-zero1": [("parallel.tp", "1"), ("parallel.zero", "1")],
     "dp2-cp2": [("parallel.tp", "1"), ("parallel.cp", "2")],
+    "dp2-tp2-sp": [("parallel.tp", "2"), ("parallel.sequence_parallel", "true")],
+    "pp2-dp2": [("parallel.tp", "1"), ("parallel.pp", "2")],
+    "pp2-tp2-sp": [("parallel.tp", "2"), ("parallel.pp", "2"), ("parallel.sequence_parallel", "true")],
 }
 
 
 def job_losses(ctx, run_dir: str, extra: list, steps: int) -> list[list[float]]:
+    import sys
+
     from meshspeed.train.trainer import Trainer
 
-    out = []
-    for chunked in ("false", "true"):
-        over = BASE + [("run.dir", f"{run_dir}/{chunked}"), ("train.steps", str(steps))] + extra
-        over += [("memory.chunked_loss", chunked), ("memory.loss_chunk", "7")]  # 32 = 4 × 7 + 4
-        trainer = Trainer(config.load(None, over), ctx)
-        out.append([trainer.train_step(s)["loss"] for s in range(steps)])
-    return out
+    cl = sys.modules["meshspeed.memory.chunked_loss"]  # the module (the package exports the function)
+
+    out, real, calls = [], cl.chunked_loss, []
+    cl.chunked_loss = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # the chunked path ran
+    try:
+        for chunked in ("false", "true"):
+            over = BASE + [("run.dir", f"{run_dir}/{chunked}"), ("train.steps", str(steps))] + extra
+            over += [("memory.chunked_loss", chunked), ("memory.loss_chunk", "7")]  # 32 = 4 × 7 + 4
+            trainer = Trainer(config.load(None, over), ctx)
+            out.append([trainer.train_step(s)["loss"] for s in range(steps)])
+    finally:
+        cl.chunked_loss = real
+    return out + [len(calls)]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_chunked_loss_trains_like_the_full_logits(tmp_path, name):
-    plain, chunked = harness.run(4, job_losses, str(tmp_path), LAYOUTS[name], 3, timeout=300)[0]
+    got = harness.run(4, job_losses, str(tmp_path), LAYOUTS[name], 3, timeout=300)
+    plain, chunked, _ = got[0]
     assert chunked == pytest.approx(plain, rel=1e-5), f"{name}: {chunked} vs {plain}"
+    assert sum(calls for _, _, calls in got) > 0, "no rank took the chunked loss"
     assert plain[-1] < plain[0]
 
 
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        ([("parallel.tp", "2"), ("parallel.sequence_parallel", "true")], "with parallel.sequence_parallel"),
-        ([("parallel.tp", "1"), ("parallel.pp", "2")], "with parallel.pp=2 is not supported yet"),
         ([("memory.loss_chunk", "0")], "memory.loss_chunk=0 must be ≥ 1"),
     ],
 )

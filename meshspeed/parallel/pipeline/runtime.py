@@ -127,6 +127,10 @@ class PipelineRuntime:
                 self._post_before[last_compute if self.prefetch else i].append(i)
         self.trace = trace
         self.last_trace: list[tuple[float, float]] | None = None  # (start, end) per action, seconds
+        # How the last stage's training forward becomes its loss: last_loss(forward, targets),
+        # forward() running the chunk's body (memory.chunked_loss swaps the head out inside);
+        # None: the model's cross-entropy of the logits.
+        self.last_loss = None
 
     # -- helpers ----------------------------------------------------------------------------
     def _stage(self, chunk: int) -> int:
@@ -216,13 +220,17 @@ class PipelineRuntime:
                 leaf = h
         else:
             h = leaf = self._take(F, a.microbatch, a.chunk).requires_grad_()
-        out = chunk.body(h, self.positions)
         m = self.microbatches
         if chunk.is_last:
-            loss = self._loss_fn(out, y.to(self.device))
+            y = y.to(self.device)
+            if self.last_loss is not None:
+                loss = self.last_loss(lambda: chunk.body(h, self.positions), y)
+            else:
+                loss = self._loss_fn(chunk.body(h, self.positions), y)
             self._losses.append(loss.detach())
             roots = [loss / m]
         else:
+            out = chunk.body(h, self.positions)
             roots = [out]
             self._emit(F, a.microbatch, a.chunk, out.detach().contiguous())
         aux = chunk.aux_loss()
