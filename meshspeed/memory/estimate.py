@@ -107,7 +107,14 @@ def moe_ffn_bytes(
 
 
 def head_activation_bytes(
-    *, tokens: int, dim: int, vocab: int, tp: int = 1, sequence_parallel: bool = False, elem: int = 4
+    *,
+    tokens: int,
+    dim: int,
+    vocab: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    elem: int = 4,
+    chunked: bool = False,
 ) -> int:
     """The final RMSNorm, the float32 log-softmax of the (vocab-sharded) logits, the token ids.
 
@@ -119,7 +126,9 @@ def head_activation_bytes(
         norm = rows * dim * (4 + elem) + 4 * rows + t * dim * elem
     else:
         norm = t * dim * (4 + 2 * elem) + 4 * t
-    return norm + t * (-(-vocab // tp)) * 4 + 8 * t
+    # memory.chunked_loss keeps no logits: one chunk's exist at a time, inside its backward
+    logits = 0 if chunked else t * (-(-vocab // tp)) * 4
+    return norm + logits + 8 * t
 
 
 def model_activation_bytes(
@@ -133,10 +142,11 @@ def model_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     elem: int = 4,
+    chunked: bool = False,
 ) -> int:
     """Saved bytes of the first `n_layers` blocks (default: all the model's; MoE ones as such)
-    plus the head, with recompute `mode` in the first `layers` of them; `model` is a ModelConfig
-    (read by name)."""
+    plus the head (`chunked`: under memory.chunked_loss), with recompute `mode` in the first
+    `layers` of them; `model` is a ModelConfig (read by name)."""
     n = model.n_layers if n_layers is None else n_layers
     chosen = n if layers is None else min(layers, n)
     shape = dict(
@@ -165,5 +175,6 @@ def model_activation_bytes(
             tp=tp,
             sequence_parallel=sequence_parallel,
             elem=elem,
+            chunked=chunked,
         )
     return total

@@ -77,7 +77,13 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
         head = True
     if head:
         acts += head_activation_bytes(
-            tokens=s * mb, dim=h, vocab=model.vocab_size, tp=tp, sequence_parallel=p.sequence_parallel, elem=b
+            tokens=s * mb,
+            dim=h,
+            vocab=model.vocab_size,
+            tp=tp,
+            sequence_parallel=p.sequence_parallel,
+            elem=b,
+            chunked=cfg.memory.chunked_loss,
         )
     buffers = s * mb * h * b if (tp > 1 and p.sequence_parallel) else 0
     out = {

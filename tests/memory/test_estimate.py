@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from meshspeed import comm
-from meshspeed.memory import RECOMPUTE_MODES, apply_recompute, count_saved
+from meshspeed.memory import RECOMPUTE_MODES, apply_recompute, chunked_model_loss, count_saved
 from meshspeed.memory.estimate import model_activation_bytes
 from meshspeed.models import build_model, cross_entropy_loss, get_preset, recipe_for
 from meshspeed.parallel.expert import expert_parallel
-from meshspeed.parallel.tensor import model_loss, parallelize
+from meshspeed.parallel.tensor import loss_fn, model_loss, parallelize
 from tests import harness
 
 CONFIGS = (
@@ -97,3 +97,26 @@ def job_ep(ctx) -> list[str]:
 @pytest.mark.parametrize("ep", [2, 3])
 def test_estimate_matches_count_expert_parallel(ep):
     assert harness.run(ep, job_ep) == [[]] * ep
+
+
+def job_chunked(ctx, sp: bool) -> list[str]:
+    """memory.chunked_loss keeps no logits: the estimate drops them, counted within 10%."""
+    mesh = comm.ParallelDims(tp=ctx.world.size).build(ctx) if ctx.world.size > 1 else None
+    tp = ctx.world.size
+    config = get_preset("tiny", vocab_size=512, n_heads=4, n_kv_heads=4, max_seq_len=32)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    model = build_model(config, seed=3)
+    if mesh is not None:
+        model = parallelize(model, mesh, recipe_for(config), sequence_parallel=sp)
+    with count_saved(model) as c:
+        chunked_model_loss(model, lambda: model(tokens), tokens, loss_fn(model), 7, tp if sp else 1)
+    est = model_activation_bytes(config, tokens=BATCH * SEQ, tp=tp, sequence_parallel=sp, chunked=True)
+    full = model_activation_bytes(config, tokens=BATCH * SEQ, tp=tp, sequence_parallel=sp)
+    if abs(est - c.bytes) > 0.1 * c.bytes or not est < full:
+        return [f"tp {tp} sp {sp}: chunked estimate {est} (full logits {full}), counted {c.bytes}"]
+    return []
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
+def test_estimate_matches_count_with_chunked_loss(tp, sp):
+    assert harness.run(tp, job_chunked, sp) == [[]] * tp
