@@ -176,10 +176,12 @@ def _wrap(name: str, local: torch.Tensor, sharding: Sharding | None, mesh):
     if not axes:
         return local
     device_mesh = mesh.device_mesh
-    if any(d == "ep" for d, _ in axes):  # expert shards: a mesh of this rank's ep group
-        if len(axes) > 1:
-            raise ConfigError(f"{name}: checkpoints save expert shards split over ep alone, not {sharding}")
-        device_mesh = mesh.expert_device_mesh()
+    if any(d == "ep" for d, _ in axes):  # expert shards: a mesh of this rank's ep group (× tp)
+        if any(d not in ("ep", "tp") for d, _ in axes):
+            raise ConfigError(
+                f"{name}: checkpoints save expert shards split over ep (and tp), not {sharding}"
+            )
+        device_mesh = mesh.expert_device_mesh(with_tp=len(axes) > 1)
     dims = (device_mesh.mesh_dim_names or ()) if device_mesh is not None else ()
     missing = [d for d, _ in axes if d not in dims]
     if missing:
@@ -187,13 +189,14 @@ def _wrap(name: str, local: torch.Tensor, sharding: Sharding | None, mesh):
             f"{name}: sharded over {missing[0]!r}, which is not a DeviceMesh dim; "
             f"checkpoints can reshard over {', '.join(dims) or 'no dim'}"
         )
-    names = tuple(d for d, _ in axes)
-    sub = device_mesh[names if len(names) > 1 else names[0]]
+    by_dim = dict(axes)
+    names = tuple(d for d in dims if d in by_dim)  # DeviceMesh order, whatever order the splits came in
+    sub = device_mesh if names == dims else device_mesh[names if len(names) > 1 else names[0]]
     full = torch.Size(sharding.full_shape)
     return DTensor.from_local(
         local,
         sub,
-        [DShard(p.dim % len(full)) for _, p in axes],
+        [DShard(by_dim[d].dim % len(full)) for d in names],
         run_check=False,
         shape=full,
         stride=_contiguous_stride(full),

@@ -8,12 +8,18 @@ outermost so pipeline stages, the quietest, span nodes):
 Expert parallelism borrows ranks from dp × cp as Megatron and torchtitan do: the dp·cp ranks
 of one (pp, tp) line are cut into consecutive blocks of `ep` (the expert groups); members at
 the same position of each block form the expert-data-parallel ("edp") group that averages
-expert gradients.
+expert gradients. With tp > 1 the tp ranks join the expert layout in one of three ways:
+
+    etp = tp (default)   each expert's weights are split over tp: ep and edp groups per tp rank
+    etp = 1              every tp rank holds whole experts and takes 1/tp of the tokens: the
+                         ep group is per tp rank, edp spans tp (the same experts, other tokens)
+    tp_extend_ep         the tp ranks are extra expert-parallel ranks: the ep group is the
+                         ep block × tp (member j·tp + t), edp per tp rank
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,17 +49,51 @@ class ParallelDims:
     """Tensor parallel: shards of each weight matrix (innermost: stays inside a node)."""
     ep: int = 1
     """Expert parallel: MoE experts spread over ranks borrowed from dp × cp; must divide dp·cp."""
+    etp: int = 0
+    """Expert tensor parallel: 0 or tp = expert weights split over tp; 1 = whole on every tp rank."""
+    tp_extend_ep: bool = False
+    """Fold the tp ranks into the expert-parallel group (ep·tp expert ranks; experts whole)."""
 
     def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
+        for name in ("dp", "pp", "cp", "tp", "ep"):  # the degrees
+            v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"parallel.{f.name}={v!r} must be an integer ≥ 1")
+                raise ConfigError(f"parallel.{name}={v!r} must be an integer ≥ 1")
         if (self.dp * self.cp) % self.ep:
             raise ConfigError(
                 f"parallel.ep={self.ep} must divide dp×cp = {self.dp * self.cp} (expert parallelism borrows "
                 f"data/context-parallel ranks); valid: {', '.join(map(str, _divisors(self.dp * self.cp)))}"
             )
+        if self.etp not in (0, 1, self.tp) or isinstance(self.etp, bool):
+            raise ConfigError(
+                f"parallel.etp={self.etp!r} must be 1 (whole experts on every tp rank) or "
+                f"tp={self.tp} (each expert split over tp), or 0 for tp"
+            )
+        if not isinstance(self.tp_extend_ep, bool) or (self.tp_extend_ep and self.etp > 1):
+            raise ConfigError(
+                f"moe.tp_extend_ep={self.tp_extend_ep!r} with parallel.etp={self.etp}: folding tp into "
+                "the expert-parallel group keeps experts whole; set parallel.etp=1 (or 0)"
+            )
+
+    @property
+    def expert_tp(self) -> str:
+        """How tp ranks hold experts: 'split' (weights over tp), 'tokens' (whole experts, tokens
+        split over tp) or 'fold' (tp ranks are extra ep ranks). 'split' when tp = 1."""
+        if self.tp == 1:
+            return "split"
+        if self.tp_extend_ep:
+            return "fold"
+        return "tokens" if self.etp == 1 else "split"
+
+    def size(self, name: str) -> int:
+        """Ranks in this rank's group `name` (a mesh dim, dp_cp, ep or edp)."""
+        fold, tokens = self.expert_tp == "fold", self.expert_tp == "tokens"
+        sizes = {
+            "dp_cp": self.dp * self.cp,
+            "ep": self.ep * (self.tp if fold else 1),
+            "edp": self.dp * self.cp // self.ep * (self.tp if tokens else 1),
+        }
+        return sizes[name] if name in sizes else getattr(self, name)
 
     @property
     def world_size(self) -> int:
@@ -79,7 +119,12 @@ class ParallelDims:
         dp_i = rank // (self.tp * self.cp) % self.dp
         pp_i = rank // (self.tp * self.cp * self.dp)
         dpcp = dp_i * self.cp + cp_i
-        return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i, "ep": dpcp % self.ep, "edp": dpcp // self.ep}
+        ep_i, edp_i = dpcp % self.ep, dpcp // self.ep
+        if self.expert_tp == "fold":
+            ep_i = ep_i * self.tp + tp_i
+        elif self.expert_tp == "tokens":
+            edp_i = edp_i * self.tp + tp_i
+        return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i, "ep": ep_i, "edp": edp_i}
 
     def partitions(self) -> dict[str, list[list[int]]]:
         """For each group kind, the list of rank lists it splits the world into."""
@@ -94,10 +139,19 @@ class ParallelDims:
             .tolist()
         )
         out["dp_cp"] = lines
-        out["ep"] = [
-            line[b * self.ep : (b + 1) * self.ep] for line in lines for b in range(len(line) // self.ep)
-        ]
-        out["edp"] = [line[j :: self.ep] for line in lines for j in range(self.ep)]
+        # [pp, dp·cp, tp]: the ep blocks cut dim 1; tp joins ep ("fold") or edp ("tokens")
+        lay = grid.reshape(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp).tolist()
+        mode, ep_out, edp_out, ts, js = self.expert_tp, [], [], range(self.tp), range(self.ep)
+        for blocks in lay:  # one pipeline stage: blocks[b][j][t]
+            if mode == "fold":
+                ep_out += [[bl[j][t] for j in js for t in ts] for bl in blocks]
+            else:
+                ep_out += [[bl[j][t] for j in js] for t in ts for bl in blocks]
+            if mode == "tokens":
+                edp_out += [[bl[j][t] for bl in blocks for t in ts] for j in js]
+            else:
+                edp_out += [[bl[j][t] for bl in blocks] for t in ts for j in js]
+        out["ep"], out["edp"] = ep_out, edp_out
         return out
 
     def build(self, ctx: CommContext) -> Mesh:
@@ -178,18 +232,24 @@ class Mesh:
         )
         self._groups["xnode"] = ctx.split([list(range(i, ctx.world_size, k)) for i in range(k)], "xnode")
 
-    def expert_device_mesh(self):
-        """A 1-D DeviceMesh over this rank's ep group, for tensors split over "ep" (checkpoints
+    def expert_device_mesh(self, with_tp: bool = False):
+        """A DeviceMesh over this rank's ep group, for tensors split over "ep" (checkpoints
         place expert shards on it; the ranks holding the same experts write the same chunks,
-        which DCP writes once). Made without process groups: placing tensors needs none."""
-        if getattr(self, "_expert_dm", None) is None:
+        which DCP writes once); `with_tp`: 2-D ("ep", "tp"), for expert weights also split over
+        tp (row j: ep member j's tp group). Made without process groups: placing tensors needs none."""
+        cache = self.__dict__.setdefault("_expert_dms", {})
+        if with_tp not in cache:
             from torch.distributed.device_mesh import DeviceMesh
 
             ranks = torch.tensor(self["ep"].ranks)
-            self._expert_dm = DeviceMesh(
-                self.ctx.device.type, ranks, mesh_dim_names=("ep",), _init_backend=False
+            names = ("ep",)
+            if with_tp:  # tp is innermost: ep member j's tp peers are its rank - tp_i + t
+                ranks = ranks.view(-1, 1) - self.coords["tp"] + torch.arange(self.dims.tp)
+                names = ("ep", "tp")
+            cache[with_tp] = DeviceMesh(
+                self.ctx.device.type, ranks, mesh_dim_names=names, _init_backend=False
             )
-        return self._expert_dm
+        return cache[with_tp]
 
     def group(self, name: str) -> Group:
         """The group of this rank along `name`: pp, dp, cp, tp, dp_cp, ep, edp, world, node

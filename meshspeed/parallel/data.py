@@ -29,6 +29,8 @@ updated parameters. zero=2: reduce-scatter into a 1/dp fp32 gradient shard, afte
 full bucket's storage is released (re-allocated, zeroed, by the next backward's first hook), so
 outside backward a rank holds 1/dp of the gradients. Gradient accumulation under no_sync keeps
 full buckets until the last micro-batch (one reduction per step, not per micro-batch).
+zero=3 (zero3.py): zero=2 with one bucket per transformer block (`units`) plus one for the rest,
+whose parameter storage, too, is 1/dp outside the block's forward and backward.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.comm import placement
+from meshspeed.parallel import zero3 as zero3_mod
 
 ALIGN = 16  # elements: 64 B of fp32, enough for vectorised kernels and NCCL's alignment wishes
 GROUPS = ("dp", "dp_cp")  # dp_cp with context parallelism: cp ranks see other tokens of a sample
@@ -84,16 +87,18 @@ def plan_buckets(
     align: int = ALIGN,
     kinds: dict[str, str] | None = None,
     sizes: dict[str, int] | None = None,
+    units: dict[str, str] | None = None,
 ) -> list[BucketSpec]:
     """Pack (name, shape) in the given order into buckets of at most `bucket_numel` elements
     (a larger parameter gets a bucket of its own). Pure data: print it, test it.
 
     kinds/sizes (expert parallelism): a parameter's reduction group kind (default "dp") and each
-    kind's group size; a bucket holds one kind only and is padded for its own group's shards."""
-    kinds, sizes = kinds or {}, sizes or {}
+    kind's group size; a bucket holds one kind only and is padded for its own group's shards.
+    units (ZeRO-3): a parameter's unit; a bucket holds one unit only."""
+    kinds, sizes, units = kinds or {}, sizes or {}, units or {}
     buckets: list[BucketSpec] = []
     slots: list[Slot] = []
-    used, kind = 0, None
+    used, kind, unit = 0, None, None
 
     def close() -> None:
         n = _round_up(max(used, 1), align * sizes.get(kind, dp_size))
@@ -101,11 +106,11 @@ def plan_buckets(
 
     for name, shape in shapes:
         numel = math.prod(shape)
-        k = kinds.get(name, "dp")
-        if slots and (used + numel > bucket_numel or k != kind):
+        k, u = kinds.get(name, "dp"), units.get(name)
+        if slots and (used + numel > bucket_numel or k != kind or u != unit):
             close()
             slots, used = [], 0
-        kind = k
+        kind, unit = k, u
         slots.append(Slot(name, len(buckets), used, numel, tuple(shape)))
         used = _round_up(used + numel, align)
     if slots:
@@ -170,9 +175,10 @@ class DataParallel:
         param_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype = torch.float32,
         group: str = "dp",
+        units: str | None = None,
     ):
-        if zero not in (0, 1, 2):
-            raise comm.ConfigError(f"zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2")
+        if zero not in (0, 1, 2, 3):
+            raise comm.ConfigError(f"zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise comm.ConfigError(f"bucket_mb={bucket_mb!r} must be a number of MiB > 0, e.g. 25")
         if group not in GROUPS:
@@ -195,17 +201,29 @@ class DataParallel:
         # Expert parallelism: expert weights (split over "ep") are reduced over "edp", the ranks
         # holding the same experts, in buckets of their own (ZeRO shards them over edp too).
         # Their gradients already sum the whole ep group's tokens (the backward all-to-all brought
-        # them), so averaging over edp leaves a factor ep: the bucket is scaled by 1/ep first.
+        # them), so the edp sum holds every dp × cp rank's contribution: the bucket is scaled by
+        # edp / (dp × cp) first (1/ep; tp/ep when edp also spans tp, whose ranks split the tokens).
         expert = {n for n, p in named if _expert_sharded(p)}
         self._groups = {"dp": self.group, "expert": mesh["edp"] if expert else self.group}
-        self.expert_scale = 1.0 / mesh["ep"].size if expert else 1.0
+        self.expert_scale = mesh["edp"].size / mesh["dp_cp"].size if expert else 1.0
+        # ep or edp spanning tp: the tp ranks hold other experts, or other slices of an expert
+        # bucket (edp's members split it): each tp rank's part counts in the gradient norm
+        tp_ranks = set(mesh["tp"].ranks) if expert else set()
+        self._experts_vary_over_tp = any(len(set(mesh[g].ranks) & tp_ranks) > 1 for g in ("ep", "edp"))
         cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=grad_dtype).element_size())
+        order, unit_of = list(reversed(named)), None
+        if zero == 3:  # zero3.py: one bucket per block (units: the recipe's pipeline.layers) + a root
+            if expert:
+                raise comm.ConfigError("zero=3 with expert-parallel parameters is not supported; use zero 2")
+            order, unit_of, _ = zero3_mod.unit_layout(model, named, units)
+            cap = math.inf
         self.specs = plan_buckets(
-            [(n, tuple(p.shape)) for n, p in reversed(named)],
+            [(n, tuple(p.shape)) for n, p in order],
             cap,
             self.group.size,
             kinds={n: "expert" for n in expert},
             sizes={k: g.size for k, g in self._groups.items()},
+            units=unit_of,
         )
         self.slots = {s.name: s for spec in self.specs for s in spec.slots}
         device = named[0][1].device
@@ -237,7 +255,7 @@ class DataParallel:
                         p.main_grad = g
                 self._source.append(src)
                 size = self._groups[b.spec.kind].size
-                if zero == 2 and size > 1:
+                if zero >= 2 and size > 1:
                     b.grad_shard = torch.zeros(b.spec.numel // size, dtype=grad_dtype, device=device)
         self.require_grad_sync = True
         self._marked: set[str] = set()
@@ -249,6 +267,8 @@ class DataParallel:
         self._norm_plan: list[tuple[int, int, int, bool]] | None = None
         self.events: list[tuple[str, object]] | None = None  # set to [] to log ("grad", name) / ("launch", i)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
+        # ZeRO-3: this rank keeps 1/dp of the parameters; blocks are gathered around their use
+        self.zero3 = zero3_mod.Zero3(self, units) if zero == 3 else None
 
     # -- use -------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -274,7 +294,7 @@ class DataParallel:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
-        if self.zero == 2:
+        if self.zero >= 2:
             for b in self.buckets:
                 if b.grad_shard is None:
                     continue  # a group of one: nothing was reduce-scattered
@@ -304,6 +324,8 @@ class DataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.zero3 is not None:
+            self.zero3.remove_hooks()
 
     # -- backward --------------------------------------------------------------------------
     def _make_hook(self, name: str):
@@ -358,10 +380,26 @@ class DataParallel:
             if b.handle is not None:
                 return
         self.stats["grad_comm_bytes"] += b.grad.numel() * b.grad.element_size()
-        if self.zero == 2:
+        if self.zero >= 2:
             b.handle = comm.reduce_scatter(b.grad, group, "avg", out=b.grad_shard, async_op=True)
+            if self.zero3 is not None and i >= 2:
+                self._release_grad(i - 2)  # ZeRO-3: about two blocks' full gradients alive, not all
         else:
             b.handle = comm.all_reduce(b.grad, group, "avg", async_op=True)
+
+    def _release_grad(self, i: int) -> None:
+        """Bucket i's full gradient storage goes once its reduce-scatter has landed in the shard."""
+        b = self.buckets[i]
+        if b.handle is not None:
+            b.handle.wait()
+            b.handle = None
+        if b.grad_shard is None or b.freed:
+            return
+        for s in b.spec.slots:
+            p = self.params[s.name]
+            if p.grad is not None and _aliases(p.grad, self._gviews[s.name]):
+                p.grad = None
+        b.free()
 
     # -- what the optimizer and clipping read ----------------------------------------------
     def group_of(self, i: int) -> comm.Group:
@@ -390,6 +428,21 @@ class DataParallel:
         src = self._source[i]
         return src if src is not None else self.buckets[i].data.float()
 
+    def master_alias(self, i: int) -> torch.Tensor | None:
+        """A buffer that can be the optimizer's fp32 master of bucket i itself (no copy), or None:
+        the parameters at zero=0, this rank's parameter shard at zero=3, when they are fp32."""
+        if self.param_dtype != torch.float32 or self.zero not in (0, 3):
+            return None
+        return self.buckets[i].data if self.zero == 0 else self.zero3.shards[i]
+
+    @torch.no_grad()
+    def load_params(self, i: int, full: torch.Tensor) -> None:
+        """Set bucket i's parameters from its whole flat values (the same on every dp rank)."""
+        if self.zero3 is not None:
+            self.zero3.load(i, full)
+        else:
+            self.buckets[i].data.copy_(full)
+
     def release_master_source(self) -> None:
         self._source = [None] * len(self.buckets)
 
@@ -403,6 +456,8 @@ class DataParallel:
             if not _aliases(master, b.data[lo:hi]):
                 b.data[lo:hi].copy_(master)
             return None
+        if self.zero3 is not None:  # the shard is the parameter storage: the next forward gathers
+            return self.zero3.publish(i, master)
         src = master if master.dtype == b.data.dtype else master.to(b.data.dtype)
         prefetch = getattr(self, "prefetch", None)  # zero_prefetch.py: gathered during the next forward
         if prefetch is not None:
@@ -416,13 +471,15 @@ class DataParallel:
             (b.grad_shard if b.grad_shard is not None else b.grad).mul_(coef)
 
     def norm_segments(self) -> list[tuple[torch.Tensor, bool]]:
-        """(reduced gradient piece, sharded over tp) covering this rank's dp slice of every bucket."""
+        """(reduced gradient piece, distinct over tp) covering this rank's dp slice of every bucket:
+        a tp-split parameter's, or any expert bucket's when ep or edp spans tp."""
         if self._norm_plan is None:
             self._norm_plan = []
             for i, spec in enumerate(self.specs):
                 lo, hi = self.dp_shard(i)
+                spans = self._experts_vary_over_tp and spec.kind == "expert"
                 for tp in (False, True):
-                    keep = lambda s, tp=tp: tp_sharded(self.params[s.name]) == tp  # noqa: E731
+                    keep = lambda s, tp=tp: (spans or tp_sharded(self.params[s.name])) == tp  # noqa: E731
                     self._norm_plan += [(i, lo + a, lo + e, tp) for a, e in segments(spec, lo, hi, keep)]
         return [(self.reduced_grad(i, a, e), tp) for i, a, e, tp in self._norm_plan]
 

@@ -124,9 +124,13 @@ class ExpertParallelMoE(nn.Module):
         keep = torch.arange(order.numel(), device=order.device) - starts[se] < cap
         return order[keep], counts.clamp(max=cap)
 
+    def _member_tokens(self, n_tokens: int) -> list[int]:
+        """Tokens each member passes (the all-gather's sizes): every member's batch has one shape."""
+        return [n_tokens] * self.group.size
+
     def _allgather(self, x, weights, experts) -> torch.Tensor:
         n_tokens, k = experts.shape
-        sizes = [n_tokens] * self.group.size  # every member passes a batch of the same shape
+        sizes = self._member_tokens(n_tokens)
         xs = xc.gather_tokens(x, self.group, sizes)  # [all tokens, dim]
         ws = xc.gather_tokens(weights, self.group, sizes)  # [all tokens, k]
         es = xc.gather_tokens(experts, self.group, sizes) if self.group.size > 1 else experts

@@ -1,7 +1,7 @@
-"""AdamW over DataParallel's flat buckets (ZeRO 0/1/2), and global gradient-norm clipping.
+"""AdamW over DataParallel's flat buckets (ZeRO 0/1/2/3), and global gradient-norm clipping.
 
 ZeroAdamW keeps, for the part of each bucket this rank updates (the whole bucket at zero=0,
-its 1/dp slice at zero=1/2), an fp32 master copy of the parameters (shared with the parameter
+its 1/dp slice at zero=1/2/3), an fp32 master copy of the parameters (shared with the parameter
 buffer itself when that is fp32 and unsharded) and the two AdamW moments. The update is
 torch.optim.AdamW's (decoupled weight decay, bias correction, the same operation order), run
 elementwise on flat slices, so a float32 run equals torch's to rounding.
@@ -36,12 +36,27 @@ def default_no_decay(name: str, p: torch.Tensor) -> bool:
 
 
 class _Shard:
+    """The state of one bucket's opt_range. meshspeed.memory swaps in shards that keep it
+    elsewhere (fp32_reuse.py: the master inside the bf16 parameters' storage; offload.py: on
+    the host); between open() and close() `master`, `exp_avg` and `exp_avg_sq` are fp32
+    tensors on the parameters' device, to read and change in place."""
+
     def __init__(self, master: torch.Tensor, decay: list[tuple[int, int]], owns_master: bool):
         self.master = master
         self.exp_avg = torch.zeros_like(master)
         self.exp_avg_sq = torch.zeros_like(master)
         self.decay = decay
         self.owns_master = owns_master
+
+    def open(self) -> None:
+        """Before the state is read or changed (here it always is where it lives)."""
+
+    def close(self, changed: bool = True) -> None:
+        """After; `changed`: it was written and must be stored back where it lives."""
+
+    def nbytes(self) -> int:
+        """Bytes of this state on the parameters' device."""
+        return self.exp_avg.nbytes + self.exp_avg_sq.nbytes + (self.master.nbytes if self.owns_master else 0)
 
 
 class ZeroAdamW:
@@ -82,8 +97,9 @@ class ZeroAdamW:
         self.shards: list[_Shard] = []
         for i, b in enumerate(dp.buckets):
             lo, hi = dp.opt_range(i)
-            if dp.zero == 0 and dp.param_dtype == torch.float32:
-                master, owns = b.data, False  # plain fp32 data parallel: the parameters are the master
+            alias = dp.master_alias(i)
+            if alias is not None:
+                master, owns = alias, False  # fp32 parameters (zero=3: their shard) are the master
             else:
                 master, owns = dp.master_source(i)[lo:hi].clone(), True
             self.shards.append(_Shard(master, segments(b.spec, lo, hi, lambda s: s.name in decayed), owns))
@@ -119,6 +135,7 @@ class ZeroAdamW:
             grad = dp.reduced_grad(i, lo, hi)
             if grad.dtype != torch.float32:
                 grad = grad.float()
+            st.open()
             p = st.master
             if wd:
                 for a, e in st.decay:
@@ -127,6 +144,7 @@ class ZeroAdamW:
             st.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (st.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
             p.addcdiv_(st.exp_avg, denom, value=-step_size)
+            st.close()
             # Issued per bucket so the gather of bucket i overlaps the update of bucket i+1.
             h = dp.publish(i, p)
             if h is not None:
@@ -139,11 +157,14 @@ class ZeroAdamW:
         """[3, bucket numel] fp32: master, exp_avg, exp_avg_sq of all of bucket i (gathered)."""
         st, dp = self.shards[i], self.dp
         group = dp.group_of(i)
+        st.open()
         if not dp.zero or group.size == 1:
-            return torch.stack([st.master.float(), st.exp_avg, st.exp_avg_sq])
-        n = group.size
-        flat = comm.all_gather(torch.cat([st.master, st.exp_avg, st.exp_avg_sq]), group)
-        return flat.view(n, 3, -1).transpose(0, 1).reshape(3, -1)
+            full = torch.stack([st.master.float(), st.exp_avg, st.exp_avg_sq])
+        else:
+            flat = comm.all_gather(torch.cat([st.master, st.exp_avg, st.exp_avg_sq]), group)
+            full = flat.view(group.size, 3, -1).transpose(0, 1).reshape(3, -1)
+        st.close(changed=False)
+        return full
 
     def state_dict_per_param(self) -> dict:
         """{fqn: {"master", "exp_avg", "exp_avg_sq"}, "__step__": int}: fp32, local tp shape,
@@ -184,10 +205,12 @@ class ZeroAdamW:
                         )
                     full[j, s.offset : s.offset + s.numel].copy_(t.reshape(-1))
             lo, hi = dp.opt_range(i)
+            st.open()
             st.master.copy_(full[0, lo:hi])
             st.exp_avg.copy_(full[1, lo:hi])
             st.exp_avg_sq.copy_(full[2, lo:hi])
-            b.data.copy_(full[0])
+            st.close()
+            dp.load_params(i, full[0])
         self.step_count = int(state["__step__"])
 
     @torch.no_grad()
@@ -219,16 +242,17 @@ class ZeroAdamW:
         if a < b:  # the part of this parameter whose optimizer state this rank holds
             sel = where.reshape(-1)[a - s.offset : b - s.offset]
             st = self.shards[s.bucket]
+            st.open()
             for t in (st.master, st.exp_avg, st.exp_avg_sq):
                 t[a - lo : b - lo].masked_fill_(sel, 0)
+            st.close()
         return int(where.sum())
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (fp32 masters it owns + both moments)."""
-        return sum(
-            st.exp_avg.nbytes + st.exp_avg_sq.nbytes + (st.master.nbytes if st.owns_master else 0)
-            for st in self.shards
-        )
+        """Bytes of optimizer state this rank holds on the parameters' device (fp32 masters it
+        owns + both moments; offloaded state is on the host, and shared masters' residuals in
+        the parameters' own storage, neither counted here)."""
+        return sum(st.nbytes() for st in self.shards)
 
 
 # ------------------------------------------------------------------------------ clipping
@@ -311,15 +335,26 @@ def build_data_parallel(
     eps: float = 1e-8,
     no_decay=None,
     group: str = "dp",
+    units: str | None = None,
 ):
     """Make `model` data parallel over mesh[group] and build its (ZeRO) AdamW.
+
+    units (zero=3): the FQN of the model's container of blocks (the recipe's pipeline.layers),
+    each block gathered on its own (meshspeed.parallel.zero3).
 
     dtype: parameter storage and compute (bf16 default; fp32 for exactness checks). Master
     weights and AdamW moments are fp32 whatever it is; gradients are accumulated and reduced in
     grad_dtype (fp32 default). Returns (DataParallel, ZeroAdamW).
     """
     dp = DataParallel(
-        model, mesh, zero=zero, bucket_mb=bucket_mb, param_dtype=dtype, grad_dtype=grad_dtype, group=group
+        model,
+        mesh,
+        zero=zero,
+        bucket_mb=bucket_mb,
+        param_dtype=dtype,
+        grad_dtype=grad_dtype,
+        group=group,
+        units=units,
     )
     opt = ZeroAdamW(dp, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
     return dp, opt

@@ -85,8 +85,9 @@ class ZeroPrefetch:
 
 def enable_zero_prefetch(dp) -> ZeroPrefetch | None:
     """Overlap dp's post-step parameter all-gather with the next forward. A no-op (None) without
-    ZeRO or with one dp rank, where step() gathers nothing."""
-    if not dp.zero or dp.group.size == 1:
+    ZeRO, with one dp rank, or at ZeRO-3 (zero3.py gathers before each block), where step()
+    gathers nothing."""
+    if not dp.zero or dp.zero == 3 or dp.group.size == 1:
         return None
     if getattr(dp, "prefetch", None) is None:
         dp.prefetch = ZeroPrefetch(dp)

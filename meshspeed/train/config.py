@@ -149,6 +149,7 @@ def validate(cfg: Config) -> None:
         ("run.timeout", cfg.run.timeout),
         ("train.weight_decay", t.weight_decay),
         ("memory.recompute_layers", cfg.memory.recompute_layers),
+        ("memory.swap_layers", cfg.memory.swap_layers),
     ]:
         if not value >= 0:
             raise ConfigError(f"{key}={value} must be ≥ 0")

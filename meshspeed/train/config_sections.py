@@ -42,7 +42,13 @@ class ParallelSection:
     tp: int = opt(2, "tensor-parallel degree (innermost: keep it inside a node)")
     pp: int = opt(1, "pipeline-parallel degree")
     sequence_parallel: bool = opt(False, "shard norm/dropout activations along the sequence over tp")
-    zero: int = opt(0, "ZeRO stage: 0 off, 1 shard optimizer state, 2 also shard gradients", (0, 1, 2))
+    zero: int = opt(
+        0,
+        "ZeRO stage: 0 off, 1 shard optimizer state, 2 also shard gradients, 3 also shard parameters "
+        "(each block all-gathered just before its forward and backward, the next one prefetched; "
+        "not with pp, ep or sparsity)",
+        (0, 1, 2, 3),
+    )
     zero_prefetch: bool = opt(
         False,
         "ZeRO 1/2: gather the updated parameters during the next forward, bucket by bucket, "
@@ -80,7 +86,14 @@ class ParallelSection:
         1,
         "expert-parallel degree: each MoE layer's routed experts split over ep ranks carved from "
         "dp × cp (other weights stay replicated; expert gradients are reduced, and ZeRO-sharded, "
-        "over the dp × cp / ep ranks holding the same experts); must divide dp × cp and n_experts; tp 1",
+        "over the dp × cp / ep ranks holding the same experts); must divide dp × cp and n_experts; "
+        "with tp > 1 see parallel.etp and moe.tp_extend_ep",
+    )
+    etp: int = opt(
+        0,
+        "expert tensor parallelism with tp > 1: tp = each expert's w1/w3 column- and w2 row-split over "
+        "tp (Megatron's expert_tensor_parallel_size); 1 = whole experts on every tp rank, which split "
+        "the tokens instead (expert gradients reduced over tp too); 0 = tp",
     )
 
 
@@ -253,6 +266,25 @@ class MemorySection:
         "order; with sequence parallelism each rank's block is cut, with pp the last stage's)",
     )
     loss_chunk: int = opt(256, "sequence positions per chunk of memory.chunked_loss")
+    reuse_fp32_param: bool = opt(
+        False,
+        "bf16 training: keep each fp32 master weight as the bf16 parameter itself plus a 16-bit "
+        "residual in the same storage, 2 bytes less per master weight (exact; ZeRO 0/1/2)",
+    )
+    offload_optimizer: bool = opt(
+        False,
+        "keep the optimizer state (fp32 masters, AdamW moments) in host memory; each bucket's comes "
+        "to the device for its update only, copies overlapped with the neighbouring buckets' (exact)",
+    )
+    swap_activations: bool = opt(
+        False,
+        "move what the attention cores save for backward (q, k, v, the softmax statistics) to host "
+        "memory in forward and prefetch it back one layer ahead in backward (exact; recompute none "
+        "or activation)",
+    )
+    swap_layers: int = opt(
+        0, "swap the attention activations of the first N blocks of each pipeline stage (0 = all)"
+    )
 
 
 @dataclass
@@ -283,6 +315,12 @@ class MoeSection:
         "Hugging Face's Mixtral loss is top_k times it); < 0 = the preset's",
     )
     z_loss_coef: float = opt(-1.0, "weight of the router z-loss mean(logsumexp(logits)²); < 0 = the preset's")
+    tp_extend_ep: bool = opt(
+        False,
+        "with tp > 1: use the tp ranks as extra expert-parallel ranks (ep × tp of them hold the "
+        "experts, whole; the tp ranks split the tokens) instead of splitting each expert over tp "
+        "(MindSpeed's choice: no tiny per-expert matmuls); n_experts must divide by ep × tp",
+    )
     overlap_shared: bool = opt(
         True,
         "under ep with the alltoall dispatcher, compute the shared experts while the dispatch "

@@ -15,6 +15,17 @@ What is exact and what is a model:
   peak number of micro-batches whose forward has run and backward has not (from its
   simulation); recompute applies to the first `memory.recompute_layers` layers of each stage;
 - buffers: the sequence-parallel all-gather of one layer's input (tp > 1 with SP).
+Memory features (`_features`): `reuse_fp32_param` takes 2 bytes off each fp32 master weight the
+rank holds (all its parameters at zero 0, 1/dp of them at ZeRO-1/2); `offload_optimizer` moves
+the optimizer bytes to `host` and counts about two buckets' state in buffers (on the device
+during the step); `swap_activations` moves each swapped layer's attention-core tensors
+(`meshspeed.memory.swap.attention_swap_bytes`) from activations to `host` and counts two layers'
+worth in buffers (the one in backward and the prefetched one; one if only one is swapped).
+`host` is pinned host memory, never part of `total` (the device's); `saved` is each feature's
+net device saving.
+ZeRO-3 keeps 1/dp of the parameters too, and holds gathered at a time the root unit (embedding,
+final norm, output) and two blocks (the one running and the prefetched one), counted in buffers;
+a block is the rank's parameters less the root's, over n_layers.
 MoE blocks count their router, routed slots (T·k per rank: balanced routing, also under ep)
 and shared experts (`meshspeed.memory.estimate.moe_ffn_bytes`).
 """
@@ -22,12 +33,15 @@ and shared experts (`meshspeed.memory.estimate.moe_ffn_bytes`).
 from __future__ import annotations
 
 from meshspeed.memory.estimate import head_activation_bytes, is_moe_layer, layer_activation_bytes, moe_shape
+from meshspeed.memory.fp32_reuse import fp32_reuse_saved_bytes
+from meshspeed.memory.swap import attention_swap_bytes
 
 BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
-    """{params, grads, optimizer, activations, buffers, total} in bytes for one rank."""
+    """{params, grads, optimizer, activations, buffers, total} in bytes for one rank (total: the
+    device's), plus host (bytes in host memory) and saved ({memory feature: device bytes})."""
     t, p = cfg.train, cfg.parallel
     b = BYTES[t.dtype]
     dp = dims.dp
@@ -37,9 +51,15 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     opt = params * (8 + (4 if b != 4 else 0))
     if p.zero >= 1:
         opt = -(-opt // dp)
+    param_bytes, gathered = params * b, 0
+    if p.zero >= 3 and dp > 1:
+        root = model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) // dims.tp + model.dim
+        block = max(params - root, 0) // max(model.n_layers, 1)
+        param_bytes, gathered = -(-param_bytes // dp), (root + 2 * block) * b
     s, mb, h, tp = t.seq_len, t.micro_batch_size, model.dim, dims.tp
     mode = cfg.memory.recompute
     recompute_layers = cfg.memory.recompute_layers or None  # 0: every layer
+    swap = (cfg.memory.swap_layers or model.n_layers) if cfg.memory.swap_activations else 0  # per chunk
     shape = dict(
         tokens=s * mb,
         dim=h,
@@ -72,9 +92,11 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
         # peak counts chunk-micro-batches: each holds one chunk's layers (their mean)
         acts = in_flight * sum(layers_bytes(st["layers"]) for st in mine) / chunks
         head = any(st["head"] for st in mine)
+        swapped = in_flight * sum(min(swap, len(st["layers"])) for st in mine) / chunks
     else:
         acts = layers_bytes(range(model.n_layers))
         head = True
+        swapped = min(swap, model.n_layers)
     if head:
         acts += head_activation_bytes(
             tokens=s * mb,
@@ -85,13 +107,45 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
             elem=b,
             chunked=cfg.memory.chunked_loss,
         )
-    buffers = s * mb * h * b if (tp > 1 and p.sequence_parallel) else 0
+    buffers = (s * mb * h * b if (tp > 1 and p.sequence_parallel) else 0) + gathered
+    opt, acts, buffers, host, saved = _features(cfg, model, dims, params, opt, acts, buffers, swapped)
     out = {
-        "params": int(params * b),
+        "params": int(param_bytes),
         "grads": int(grads),
         "optimizer": int(opt),
         "activations": int(acts),
         "buffers": int(buffers),
     }
     out["total"] = sum(out.values())
+    out["host"], out["saved"] = int(host), {k: int(v) for k, v in saved.items()}
     return out
+
+
+def _features(cfg, model, dims, params: int, opt, acts, buffers, swapped: float):
+    """(optimizer, activations, buffers, host, saved) with the [memory] features applied."""
+    m, p, t = cfg.memory, cfg.parallel, cfg.train
+    host, saved = 0, {}
+    masters = (params if p.zero == 0 else -(-params // dims.dp)) or 1  # elements of state held
+    if m.reuse_fp32_param:  # the masters' high halves are the bf16 parameters themselves
+        saved["reuse_fp32_param"] = fp32_reuse_saved_bytes(masters)
+        opt -= saved["reuse_fp32_param"]
+    if m.offload_optimizer and opt:
+        # fp32 gradient buckets of bucket_mb (this rank's 1/dp under ZeRO): two on the device in the step
+        per = opt / masters  # state bytes per element
+        bucket = int(p.bucket_mb * 2**20) // 4 // (dims.dp if p.zero >= 1 else 1)
+        transient = min(opt, 2 * bucket * per)
+        host, buffers = host + opt, buffers + transient
+        saved["offload_optimizer"] = opt - transient
+        opt = 0
+    if m.swap_activations and swapped:
+        per = attention_swap_bytes(
+            tokens=t.seq_len * t.micro_batch_size,
+            n_heads=model.n_heads,
+            head_dim=model.head_dim,
+            tp=dims.tp,
+            elem=BYTES[t.dtype],
+        )
+        back = min(2, swapped) * per  # in backward: the core being run and the prefetched one
+        host, acts, buffers = host + per * swapped, acts - per * swapped, buffers + back
+        saved["swap_activations"] = per * swapped - back
+    return opt, acts, buffers, host, saved

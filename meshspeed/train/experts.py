@@ -15,15 +15,18 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.comm import ConfigError
+from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.models import ModelConfig
 from meshspeed.parallel.expert import expert_parallel
+from meshspeed.parallel.expert_tp import expert_tensor_parallel
 
 __all__ = [
     "apply_expert_parallel",
     "check_experts",
     "expert_load",
     "expert_parallel",
+    "expert_tensor_parallel",
+    "expert_tp_mode",
     "update_routing_bias",
     "with_moe_settings",
 ]
@@ -44,9 +47,22 @@ def with_moe_settings(cfg, config: ModelConfig) -> ModelConfig:
     return dataclasses.replace(config, **changes) if changes else config
 
 
+def expert_tp_mode(cfg) -> str:
+    """How tp ranks hold experts (parallel/expert_tp.py): split (etp = tp), tokens (etp = 1) or
+    fold (moe.tp_extend_ep); 'split' when tp = 1. The mesh's rule (ParallelDims.expert_tp)."""
+    p = cfg.parallel
+    return ParallelDims(tp=p.tp, etp=p.etp, tp_extend_ep=cfg.moe.tp_extend_ep).expert_tp
+
+
+def expert_ranks(cfg) -> int:
+    """Ranks the routed experts are split over: ep, or ep × tp with moe.tp_extend_ep."""
+    return cfg.parallel.ep * (cfg.parallel.tp if expert_tp_mode(cfg) == "fold" else 1)
+
+
 def uses_expert_layer(cfg) -> bool:
-    """Whether MoE layers are replaced by the expert-parallel layer (ep > 1, or capacity routing)."""
-    return cfg.parallel.ep > 1 or cfg.moe.capacity_factor > 0
+    """Whether MoE layers are replaced by the expert-parallel layer (ep > 1, capacity routing, or
+    tp ranks holding whole experts); tp > 1 with ep = 1 and etp = tp stays TensorParallelMoE."""
+    return cfg.parallel.ep > 1 or cfg.moe.capacity_factor > 0 or expert_tp_mode(cfg) != "split"
 
 
 def check_experts(cfg, config: ModelConfig) -> None:
@@ -58,20 +74,34 @@ def check_experts(cfg, config: ModelConfig) -> None:
         raise ConfigError(f"moe.capacity_factor={m.capacity_factor:g} must be > 0, or 0 for dropless")
     if not uses_expert_layer(cfg):
         return
-    what = f"parallel.ep={p.ep}" if p.ep > 1 else f"moe.capacity_factor={m.capacity_factor:g}"
+    mode = expert_tp_mode(cfg)
+    what = (
+        f"parallel.ep={p.ep}"
+        if p.ep > 1
+        else f"moe.capacity_factor={m.capacity_factor:g}"
+        if m.capacity_factor > 0
+        else "moe.tp_extend_ep=true"
+        if mode == "fold"
+        else "parallel.etp=1"
+    )
     if not config.n_experts:
         raise ConfigError(f"{what} needs a mixture-of-experts model; this one is dense (use e.g. tiny-moe)")
-    if config.n_experts % p.ep:
+    ranks = expert_ranks(cfg)
+    if config.n_experts % ranks:
         good = [d for d in range(1, config.n_experts + 1) if config.n_experts % d == 0]
-        raise ConfigError(
-            f"parallel.ep={p.ep} does not divide the model's {config.n_experts} experts; "
-            f"use one of {', '.join(map(str, good))}"
+        who = (
+            f"parallel.ep={p.ep} × parallel.tp={p.tp} (moe.tp_extend_ep)"
+            if mode == "fold"
+            else f"parallel.ep={p.ep}"
         )
-    if p.tp > 1:
         raise ConfigError(
-            f"{what} with parallel.tp={p.tp}: expert parallelism composes with dp, cp and pp; "
-            "with tensor parallelism the experts are split over tp instead (set tp=1, or leave "
-            "ep=1 and capacity_factor=0)"
+            f"{who} does not divide the model's {config.n_experts} experts; "
+            f"use {'ep × tp ' if mode == 'fold' else ''}one of {', '.join(map(str, good))}"
+        )
+    if m.capacity_factor > 0 and mode != "split":
+        raise ConfigError(
+            f"moe.capacity_factor={m.capacity_factor:g} with parallel.tp={p.tp} needs each expert split "
+            "over tp (parallel.etp=tp, moe.tp_extend_ep=false): capacity counts a rank's own slots"
         )
     if m.capacity_factor > 0 and m.dispatcher != "alltoall":
         raise ConfigError(
@@ -85,8 +115,14 @@ def apply_expert_parallel(model: nn.Module, mesh, cfg) -> None:
     layer over mesh["ep"]: this rank keeps its block of experts and exchanges tokens with the
     other ep members. Before the data-parallel buckets are built: the expert weights are sliced."""
     if uses_expert_layer(cfg):
-        m = cfg.moe
-        expert_parallel(model, mesh["ep"], m.dispatcher, m.capacity_factor or None)
+        m, p = cfg.moe, cfg.parallel
+        if p.tp > 1:  # the tp ranks split each expert, or the tokens, or join ep (expert_tp.py)
+            mode, sp = expert_tp_mode(cfg), p.sequence_parallel
+            expert_tensor_parallel(
+                model, mesh["ep"], mesh["tp"], mode, sp, m.dispatcher, m.capacity_factor or None
+            )
+        else:
+            expert_parallel(model, mesh["ep"], m.dispatcher, m.capacity_factor or None)
         for layer in _moe_modules(model):
             layer.overlap_shared = m.overlap_shared
 

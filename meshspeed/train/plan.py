@@ -29,10 +29,11 @@ from meshspeed.models import ModelConfig, recipe_for
 from meshspeed.models.hf import check_exportable
 from meshspeed.parallel.context import check_cp
 from meshspeed.parallel.tensor import check_tp, parallelize
+from meshspeed.parallel.zero3 import check_zero3
 from meshspeed.train import config as config_mod
 from meshspeed.train.data import accumulation_steps
 from meshspeed.train.estimate import estimate_memory
-from meshspeed.train.experts import check_experts, expert_parallel, with_moe_settings
+from meshspeed.train.experts import check_experts, expert_parallel, expert_tensor_parallel, with_moe_settings
 from meshspeed.train.model_source import preset_config
 
 
@@ -42,7 +43,7 @@ class RunPlan:
 
     config: dict  # the Config, as Config.to_dict()
     world_size: int
-    dims: dict  # {"dp", "pp", "cp", "tp", "ep"}
+    dims: dict  # {"dp", "pp", "cp", "tp", "ep", "etp", "tp_extend_ep"}
     microbatches: int  # micro-batches per rank per optimizer step (accumulation / pipeline)
     model: dict  # the ModelConfig, as dataclasses.asdict
     weights: str | None = None  # a meshspeed checkpoint to load after building (init_from one)
@@ -89,7 +90,10 @@ def resolve_layout(cfg, world_size: int) -> tuple[ParallelDims, int]:
         )
     # the one rule for micro-batches per step (the loader applies the same function)
     microbatches = accumulation_steps(t.global_batch_size, t.micro_batch_size, dp)
-    return ParallelDims(dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep), microbatches
+    dims = ParallelDims(
+        dp=dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep, etp=p.etp, tp_extend_ep=cfg.moe.tp_extend_ep
+    )
+    return dims, microbatches
 
 
 def _model(cfg):
@@ -118,9 +122,36 @@ def _check_model(cfg, config: ModelConfig, recipe) -> None:
     if cfg.checkpoint.export_hf:  # refused now, not after training
         check_exportable(config, "checkpoint.export_hf=true: ")
     check_experts(cfg, config)
+    if p.zero == 3:
+        check_zero3(pp=p.pp, ep=p.ep, sparsity=cfg.sparsity.pattern, prefetch=p.zero_prefetch)
     m = cfg.memory
     if m.loss_chunk < 1:
         raise ConfigError(f"memory.loss_chunk={m.loss_chunk} must be ≥ 1 (sequence positions per chunk)")
+    _check_memory_features(cfg)
+
+
+def _check_memory_features(cfg) -> None:
+    """memory.reuse_fp32_param / offload_optimizer / swap_activations against the rest."""
+    m, p, t = cfg.memory, cfg.parallel, cfg.train
+    if m.reuse_fp32_param and t.dtype != "bfloat16":
+        raise ConfigError(
+            f"memory.reuse_fp32_param=true needs train.dtype=bfloat16 (it is {t.dtype}: the parameters "
+            f"are the fp32 masters already); set one or the other"
+        )
+    if m.reuse_fp32_param and p.zero not in (0, 1, 2):
+        raise ConfigError(f"memory.reuse_fp32_param=true works with parallel.zero 0, 1 or 2, not {p.zero}")
+    if m.reuse_fp32_param and m.offload_optimizer:
+        raise ConfigError(
+            "memory.reuse_fp32_param=true with memory.offload_optimizer=true: the offloaded masters "
+            "take no device memory to share; turn one of them off"
+        )
+    if m.offload_optimizer and p.zero not in (0, 1, 2):
+        raise ConfigError(f"memory.offload_optimizer=true works with parallel.zero 0, 1 or 2, not {p.zero}")
+    if m.swap_activations and m.recompute in ("selective", "full"):
+        raise ConfigError(
+            f"memory.swap_activations=true with memory.recompute={m.recompute}: the attention core is "
+            f"recomputed, not kept, so there is nothing to swap; use recompute none or activation"
+        )
 
 
 def _check_run_dir(cfg) -> None:
@@ -167,8 +198,7 @@ class _Shapes:
         self.dims, self.coords = dims, dims.coords(rank)
 
     def __getitem__(self, dim: str) -> _Member:
-        size = {"edp": (self.dims.dp * self.dims.cp) // self.dims.ep}.get(dim) or getattr(self.dims, dim)
-        return _Member(dim, self.coords[dim], size)
+        return _Member(dim, self.coords[dim], self.dims.size(dim))
 
 
 def _local_numel(p: torch.Tensor, coords: dict, dims: ParallelDims) -> int:
@@ -179,8 +209,7 @@ def _local_numel(p: torch.Tensor, coords: dict, dims: ParallelDims) -> int:
     for dim, placement in s.axes:
         d = getattr(placement, "dim", None)
         if d is not None:
-            size = getattr(dims, dim)
-            shape[d] = chunk_sizes(shape[d], size)[coords[dim]]
+            shape[d] = chunk_sizes(shape[d], dims.size(dim))[coords[dim]]
     return math.prod(shape)
 
 
@@ -203,8 +232,12 @@ def rank_params(recipe, dims: ParallelDims, layouts, sequence_parallel: bool) ->
         model = recipe.build()
     total = sum(p.numel() for p in model.parameters())
     parallelize(model, _Shapes(dims, 0), recipe, sequence_parallel=sequence_parallel)
-    if dims.ep > 1:  # the experts' "ep" tags, as the trainer's expert_parallel sets them
-        expert_parallel(model, _Shapes(dims, 0)["ep"])
+    if dims.ep > 1 or dims.expert_tp != "split":  # the experts' tags, as the trainer sets them
+        shapes = _Shapes(dims, 0)
+        if dims.tp > 1:
+            expert_tensor_parallel(model, shapes["ep"], shapes["tp"], dims.expert_tp, sequence_parallel)
+        else:
+            expert_parallel(model, shapes["ep"])
     units = recipe.pipeline
     params = list(model.named_parameters(remove_duplicate=False))
     out = []
@@ -290,6 +323,18 @@ def make_plan(cfg, world_size: int, *, ranks: bool = True) -> RunPlan:
 # --- printing ---------------------------------------------------------------------------------
 
 
+def _expert_tp(d: dict) -> str:
+    """How the tp ranks hold experts, for the layout line (nothing when tp = 1)."""
+    if d["tp"] == 1:
+        return ""
+    mode = ParallelDims(tp=d["tp"], etp=d.get("etp", 0), tp_extend_ep=d.get("tp_extend_ep", False)).expert_tp
+    return {
+        "split": f", etp {d['tp']}",
+        "tokens": ", etp 1",
+        "fold": f", tp-extend-ep: {d['ep'] * d['tp']} expert ranks",
+    }[mode]
+
+
 def _gib(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
@@ -304,7 +349,8 @@ def describe(plan: RunPlan) -> str:
     src = c["model"]["init_from"] or c["model"]["preset"]
     lines = [
         f"meshspeed train --dry-run: {src}, {plan.total_params:,} parameters, {plan.world_size} ranks",
-        f"  layout       pp {d['pp']} × dp {d['dp']} × cp {d['cp']} × tp {d['tp']} (ep {d['ep']}), "
+        f"  layout       pp {d['pp']} × dp {d['dp']} × cp {d['cp']} × tp {d['tp']} "
+        f"(ep {d['ep']}{_expert_tp(d) if m.get('n_experts') else ''}), "
         f"zero {p['zero']}, sequence parallel {'on' if p['sequence_parallel'] else 'off'}, {t['dtype']}",
         f"  model        {m['n_layers']} layers, dim {m['dim']}, heads {m['n_heads']}/{m['n_kv_heads']} kv, "
         f"vocab {m['vocab_size']}"
@@ -338,6 +384,12 @@ def describe(plan: RunPlan) -> str:
                 f"{_gib(mem['grads'])} + "
                 f"{_gib(mem['optimizer'])} + {_gib(mem['activations'])} + {_gib(mem['buffers'])}"
             )
+            extra = [f"{_gib(mem['host'])} in host memory"] if mem.get("host") else []
+            if mem.get("saved"):  # [memory] features: the device bytes each takes off
+                saves = ", ".join(f"memory.{k} {_gib(v)} ({v:,} B)" for k, v in mem["saved"].items())
+                extra.append(f"saved on the device: {saves}")
+            if extra:
+                lines.append("      " + "; ".join(extra))
     for w in plan.warnings:
         lines.append(f"  warning      {w}")
     return "\n".join(lines)

@@ -21,7 +21,13 @@ from meshspeed import comm
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
 from meshspeed.kernels.fused import triton_usable
-from meshspeed.memory import apply_recompute, chunked_model_loss
+from meshspeed.memory import (
+    apply_recompute,
+    apply_swap_activations,
+    chunked_model_loss,
+    offload_optimizer,
+    share_fp32_masters,
+)
 from meshspeed.models import recipe_for
 from meshspeed.models.flops import flops_per_token
 from meshspeed.models.layers import set_fused_kernels
@@ -119,6 +125,8 @@ class Trainer:
         # after the cp core is in: selective recompute wraps whichever attention core runs
         m = cfg.memory
         apply_recompute(self.model, m.recompute, m.recompute_layers or None, self.recipe.pipeline.layers)
+        if m.swap_activations:  # the attention cores' saved tensors to host memory (memory/swap.py)
+            apply_swap_activations(self.model, ctx.device, m.swap_layers or None, self.recipe.pipeline.layers)
         if init_weights:  # before the optimizer copies the weights into its masters
             ckpt.load_checkpoint(init_weights, self.model, None, self.mesh, strict=False, restore_rng=False)
         self.dp, self.opt = build_data_parallel(
@@ -132,7 +140,12 @@ class Trainer:
             betas=(t.beta1, t.beta2),
             # cp ranks hold other tokens of the same samples: their gradients are summed like dp's
             group="dp_cp" if p.cp > 1 else "dp",
+            units=self.recipe.pipeline.layers,  # zero=3: each block gathered on its own
         )
+        if m.reuse_fp32_param:  # masters inside the bf16 parameters' storage, before anyone holds it
+            share_fp32_masters(self.opt)
+        if m.offload_optimizer:  # the optimizer state on the host between steps
+            offload_optimizer(self.opt)
         # masks on the parallel model's weights (same Parameters); None when sparsity.pattern=none
         self.sparsity = build_sparsity(
             cfg.sparsity, self.model, self.opt, self.mesh, total_steps=t.steps, seed=t.seed
@@ -220,32 +233,42 @@ class Trainer:
                     ),
                     quiet,
                 )
-            state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=False)  # just verified
+            with self._whole_weights():
+                state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=False)  # verified
         else:
-            state = ckpt.load_checkpoint(which, self.model, self.opt, self.mesh)
+            with self._whole_weights():
+                state = ckpt.load_checkpoint(which, self.model, self.opt, self.mesh)
         if self.sparsity is not None:
             self.sparsity.load_state_dict((state["extra"] or {}).get("sparsity"))
         if self.lead:
             print(f"meshspeed: resumed from step {state['step']} ({state['path']})", flush=True)
         return int(state["step"])
 
-    def _save(self, step: int) -> str:
-        if self.prefetch is not None:  # the weights are read outside a forward
+    def _whole_weights(self):
+        """Inside, every parameter holds its value, for reads and loads outside a forward:
+        ZeRO-3 gathers them all (collective over dp), ZeRO-1/2's prefetched gather is waited for."""
+        if self.dp.zero3 is not None:
+            return self.dp.zero3.gathered()  # a load sets the shards through the optimizer
+        if self.prefetch is not None:
             self.prefetch.wait()
-        return ckpt.save_checkpoint(
-            self.cfg.run.dir,
-            step,
-            self.model,
-            self.opt,
-            self.mesh,
-            extra={
-                "config": self.cfg.to_dict(),
-                "model_config": dataclasses.asdict(self.model_config),
-                **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {}),
-            },
-            config=self.plan.to_dict(),  # meta.json records the resolved run plan
-            keep=self.cfg.checkpoint.keep,
-        )
+        return contextlib.nullcontext()
+
+    def _save(self, step: int) -> str:
+        with self._whole_weights():  # the weights are read outside a forward
+            return ckpt.save_checkpoint(
+                self.cfg.run.dir,
+                step,
+                self.model,
+                self.opt,
+                self.mesh,
+                extra={
+                    "config": self.cfg.to_dict(),
+                    "model_config": dataclasses.asdict(self.model_config),
+                    **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {}),
+                },
+                config=self.plan.to_dict(),  # meta.json records the resolved run plan
+                keep=self.cfg.checkpoint.keep,
+            )
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
@@ -417,21 +440,20 @@ class Trainer:
             "checkpoint": last_ckpt,
             "skipped_steps": skipped,
         }
-        if self.prefetch is not None:  # exports read the weights outside a forward
-            self.prefetch.wait()
-        if c.export_safetensors:
-            summary["safetensors"] = export_safetensors(
-                self.model, self.mesh, os.path.join(self.cfg.run.dir, "model.safetensors")
-            )
-        if c.export_hf:
-            summary["hf"] = export_hf(
-                self.model,
-                self.mesh,
-                os.path.join(self.cfg.run.dir, "hf"),
-                self.model_config,
-                tokenizer_files=getattr(self.tokenizer, "files", list)(),
-                hf_extra=source_hf_config(self.cfg.model.init_from),
-            )
+        with self._whole_weights() if c.export_safetensors or c.export_hf else contextlib.nullcontext():
+            if c.export_safetensors:  # exports read the weights outside a forward
+                summary["safetensors"] = export_safetensors(
+                    self.model, self.mesh, os.path.join(self.cfg.run.dir, "model.safetensors")
+                )
+            if c.export_hf:
+                summary["hf"] = export_hf(
+                    self.model,
+                    self.mesh,
+                    os.path.join(self.cfg.run.dir, "hf"),
+                    self.model_config,
+                    tokenizer_files=getattr(self.tokenizer, "files", list)(),
+                    hf_extra=source_hf_config(self.cfg.model.init_from),
+                )
         if self.lead:
             summary["plot"] = self.metrics.plot(os.path.join(self.cfg.run.dir, "loss.png"))
         self.metrics.close()

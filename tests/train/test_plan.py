@@ -52,6 +52,17 @@ BAD = [
     (["--train.steps", "0"], "train.steps=0 must be ≥ 1"),
     (["--train.steps", "ten"], "train.steps='ten' is not an integer"),
     (["--parallel.zero", "4"], "parallel.zero='4' is not valid"),
+    (
+        ["--nproc", "2", "--parallel.tp", "1", "--parallel.pp", "2", "--parallel.zero", "3"],
+        "parallel.zero=3 with parallel.pp=2 is not supported",
+    ),
+    (
+        ["--model.preset", "tiny-moe", "--nproc", "4", "--parallel.tp", "1", "--parallel.ep", "2"]
+        + ["--parallel.zero", "3"],
+        "parallel.zero=3 with parallel.ep=2 is not supported yet",
+    ),
+    (["--parallel.zero", "3", "--sparsity.pattern", "2:4"], "parallel.zero=3 with sparsity.pattern=2:4"),
+    (["--parallel.zero", "3", "--parallel.zero_prefetch", "true"], "ZeRO-3 always prefetches"),
     (["--nproc", "3", "--parallel.tp", "3"], "parallel.tp=3 does not divide n_heads=4"),
     (["--nproc", "4", "--parallel.tp", "4", "--model.n_kv_heads", "2"], "parallel.tp=4 does not divide"),
     (
@@ -97,7 +108,20 @@ BAD = [
         + ["--train.global_batch_size", "6", "--train.micro_batch_size", "2"],
         "parallel.ep=3 does not divide the model's 4 experts; use one of 1, 2, 4",
     ),
-    (["--model.preset", "tiny-moe", "--nproc", "4", "--parallel.ep", "2"], "parallel.ep=2 with parallel.tp"),
+    (
+        ["--model.preset", "tiny-moe", "--nproc", "4", "--parallel.ep", "2", "--moe.tp_extend_ep", "true"]
+        + ["--parallel.etp", "2"],
+        "moe.tp_extend_ep=True with parallel.etp=2: folding tp into the expert-parallel group keeps",
+    ),
+    (
+        ["--model.preset", "tiny-moe", "--nproc", "8", "--parallel.ep", "4", "--moe.tp_extend_ep", "true"],
+        "parallel.ep=4 × parallel.tp=2 (moe.tp_extend_ep) does not divide the model's 4 experts",
+    ),
+    (["--model.preset", "tiny-moe", "--nproc", "4", "--parallel.etp", "3"], "parallel.etp=3 must be 1"),
+    (
+        ["--model.preset", "tiny-moe", "--nproc", "4", "--parallel.etp", "1", "--moe.capacity_factor", "1"],
+        "moe.capacity_factor=1 with parallel.tp=2 needs each expert split over tp",
+    ),
     (["--nproc", "4", "--parallel.tp", "1", "--parallel.ep", "3"], "parallel.ep=3 must divide dp×cp = 4"),
     (
         ["--model.preset", "tiny-moe", "--parallel.tp", "1", "--moe.capacity_factor", "1"]
@@ -109,6 +133,17 @@ BAD = [
         "moe.bias_update_rate=0 must be > 0 with moe.balance=bias",
     ),
     (["--model.preset", "tiny-moe", "--moe.capacity_factor", "-1"], "moe.capacity_factor=-1 must be > 0"),
+    (["--memory.reuse_fp32_param", "true"], "memory.reuse_fp32_param=true needs train.dtype=bfloat16"),
+    (
+        ["--train.dtype", "bfloat16", "--memory.reuse_fp32_param", "true"]
+        + ["--memory.offload_optimizer", "true"],
+        "the offloaded masters take no device memory to share",
+    ),
+    (
+        ["--memory.swap_activations", "true", "--memory.recompute", "selective"],
+        "memory.swap_activations=true with memory.recompute=selective",
+    ),
+    (["--memory.swap_layers", "-1"], "memory.swap_layers=-1 must be ≥ 0"),
 ]
 
 
@@ -162,7 +197,7 @@ def test_dry_run_json_for_every_preset_at_64_ranks(preset, capsys, no_workers, t
     plan = json.loads(out)
     ranks = plan["ranks"]
     assert [r["rank"] for r in ranks] == list(range(64))
-    assert plan["dims"] == {"dp": dp, "pp": pp, "cp": 1, "tp": tp, "ep": 1}
+    assert plan["dims"] == {"dp": dp, "pp": pp, "cp": 1, "tp": tp, "ep": 1, "etp": 0, "tp_extend_ep": False}
     for r in ranks:
         assert set(r["coords"]) >= {"pp", "dp", "tp"} and r["params"] > 0
         mem = r["memory"]
