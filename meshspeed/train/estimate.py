@@ -3,10 +3,11 @@
 What is exact and what is a model:
 - parameters: the rank's own parameter count (read off the same meta build the workers do) ×
   the bytes of `train.dtype`;
-- gradients: the data-parallel buckets hold one gradient per parameter in the compute dtype;
-  ZeRO-2 keeps only the rank's 1/dp of them after the reduce-scatter;
+- gradients: the data-parallel buckets hold one float32 gradient per parameter (whatever the
+  compute dtype); ZeRO-2/3 keep only the rank's 1/dp of them after the reduce-scatter;
 - optimizer: AdamW's two moments in float32, plus a float32 master copy when training in
-  bfloat16; ZeRO-1/2 shard all of it over dp;
+  bfloat16 or at ZeRO-1/2 (a float32 run's unsharded parameters, or its ZeRO-3 shard, are the
+  master); ZeRO-1/2/3 shard all of it over dp;
 - activations: the bytes autograd keeps per transformer layer and micro-batch, derived from the
   model's shapes and the recompute mode (`meshspeed.memory.estimate`, checked against bytes
   counted with saved-tensor hooks in tests/memory/test_estimate.py), attention through a fused
@@ -45,10 +46,13 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     t, p = cfg.train, cfg.parallel
     b = BYTES[t.dtype]
     dp = dims.dp
-    grads = params * b
+    grads = params * 4  # the data-parallel gradient buckets are float32 whatever train.dtype is
     if p.zero >= 2:
         grads = -(-grads // dp)
-    opt = params * (8 + (4 if b != 4 else 0))
+    # An fp32 master copy, except where the float32 parameters themselves are the master:
+    # unsharded (zero 0) or, at ZeRO-3, the rank's shard (ZeRO-1/2 clone their slice).
+    master = 4 if b != 4 or p.zero in (1, 2) else 0
+    opt = params * (8 + master)
     if p.zero >= 1:
         opt = -(-opt // dp)
     param_bytes, gathered = params * b, 0
