@@ -110,8 +110,9 @@ class ModelConfig:
     first_k_dense: int = 0
     """The first this-many layers stay dense (DeepSeek keeps early layers dense)."""
     moe_impl: str = "auto"
-    """Expert compute: 'auto' = torch._grouped_mm on CUDA bf16 (sm90+) when torch has it, else a
-    loop over experts; 'grouped_mm' forces the grouped matmul; 'loop' forces the loop."""
+    """Expert compute: 'auto' = torch._grouped_mm when torch has it on CUDA bf16 (sm90+) or on the
+    CPU (float32/bf16), sizes multiples of 8, else a loop over experts; 'grouped_mm' forces the
+    grouped matmul; 'loop' forces the loop."""
 
     def __post_init__(self) -> None:
         # TOML and CLI overrides arrive as loose types; a bool is an int in Python, so reject it.

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshspeed.models import ModelConfig, MoE, build_model, get_preset
+from meshspeed.models import ModelConfig, MoE, build_model, get_preset, grouped_mm_available
 
 
 def moe_config(**kw):
@@ -165,3 +165,10 @@ def test_model_aux_loss_and_router_stats():
     dense = build_model(get_preset("tiny"), seed=0)
     dense(torch.randint(0, 256, (1, 4)))
     assert dense.aux_loss().item() == 0.0 and dense.router_stats() == {}
+
+
+def test_auto_takes_grouped_mm_on_cpu_only_where_it_runs():
+    x = torch.randn(4, 16)
+    assert grouped_mm_available(x, 16, 32) == hasattr(torch, "_grouped_mm")
+    assert not grouped_mm_available(x, 16, 10)  # rows not 16-byte aligned: the kernel refuses
+    assert not grouped_mm_available(x.double(), 16, 32)
