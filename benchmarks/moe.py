@@ -116,6 +116,8 @@ def worker(args, out_path: str) -> None:
     res["expert_params_replicated"] = sum(p.numel() for p in layers["replicated"].experts.parameters())
     if ctx.rank == 0:
         res["grouped"] = grouped_vs_loop(base, x.detach(), args.steps)
+    comm.barrier(ctx.world)  # every rank leaves the job together (none tears down mid-way)
+    if ctx.rank == 0:
         with open(out_path, "w") as f:
             json.dump(res, f)
 
