@@ -7,15 +7,11 @@
     norm = clip_grad_norm_(dp, 1.0, mesh)                        # waits for the reductions
     opt.step(); opt.zero_grad()
 
-Layout. Trainable parameters (this rank's local tensor-parallel shards: a shard is just a
-parameter here) are packed in reverse registration order, roughly the order backward produces
-their gradients, into flat buckets of about `bucket_mb` of gradient. A bucket owns a parameter
-buffer (param dtype) and a gradient buffer (grad dtype, fp32 by default); each parameter's
-`.data` is a view into the first and its gradient a view into the second: `p.grad` itself when
-the dtypes match (autograd then accumulates in place, no copy), else `p.main_grad` (bf16
-parameters with fp32 gradients: the hook adds the bf16 gradient in and drops it). Parameter
-starts are aligned to 16 elements and buckets padded to a multiple of 16·dp, so each of the dp
-ZeRO shards of a bucket is equal and aligned; padding stays zero.
+Layout (buckets.py): trainable parameters packed, roughly in backward's order, into flat
+buckets of about `bucket_mb` of gradient, each parameter's `.data` a view into its bucket's
+parameter buffer and its gradient a view into the gradient buffer: `p.grad` itself when the
+dtypes match (autograd then accumulates in place, no copy), else `p.main_grad` (bf16
+parameters with fp32 gradients: the hook adds the bf16 gradient in and drops it).
 
 Overlap. A post-accumulate-grad hook counts each parameter in; a complete bucket is reduced at
 once with an async collective (average over dp), while backward goes on with earlier layers.
@@ -37,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,120 +40,9 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.comm import placement
 from meshspeed.parallel import zero3 as zero3_mod
+from meshspeed.parallel.buckets import Bucket, aliases, describe, plan_buckets, segments
 
-ALIGN = 16  # elements: 64 B of fp32, enough for vectorised kernels and NCCL's alignment wishes
 GROUPS = ("dp", "dp_cp")  # dp_cp with context parallelism: cp ranks see other tokens of a sample
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Parameter `name` is elements [offset, offset + numel) of bucket `bucket`."""
-
-    name: str
-    bucket: int
-    offset: int
-    numel: int
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BucketSpec:
-    """One bucket: its padded length and the parameters it holds."""
-
-    index: int
-    numel: int
-    slots: tuple[Slot, ...]
-    kind: str = "dp"  # "dp": reduced over the data-parallel group; "expert": over "edp"
-
-    def shard(self, rank: int, size: int) -> tuple[int, int]:
-        """[lo, hi) of member `rank`'s slice (numel is a multiple of size)."""
-        n = self.numel // size
-        return rank * n, (rank + 1) * n
-
-
-def plan_buckets(
-    shapes: list[tuple[str, tuple[int, ...]]],
-    bucket_numel: int,
-    dp_size: int,
-    align: int = ALIGN,
-    kinds: dict[str, str] | None = None,
-    sizes: dict[str, int] | None = None,
-    units: dict[str, str] | None = None,
-) -> list[BucketSpec]:
-    """Pack (name, shape) in the given order into buckets of at most `bucket_numel` elements
-    (a larger parameter gets a bucket of its own). Pure data: print it, test it.
-
-    kinds/sizes (expert parallelism): a parameter's reduction group kind (default "dp") and each
-    kind's group size; a bucket holds one kind only and is padded for its own group's shards.
-    units (ZeRO-3): a parameter's unit; a bucket holds one unit only."""
-    kinds, sizes, units = kinds or {}, sizes or {}, units or {}
-    buckets: list[BucketSpec] = []
-    slots: list[Slot] = []
-    used, kind, unit = 0, None, None
-
-    def close() -> None:
-        n = _round_up(max(used, 1), align * sizes.get(kind, dp_size))
-        buckets.append(BucketSpec(len(buckets), n, tuple(slots), kind or "dp"))
-
-    for name, shape in shapes:
-        numel = math.prod(shape)
-        k, u = kinds.get(name, "dp"), units.get(name)
-        if slots and (used + numel > bucket_numel or k != kind or u != unit):
-            close()
-            slots, used = [], 0
-        kind, unit = k, u
-        slots.append(Slot(name, len(buckets), used, numel, tuple(shape)))
-        used = _round_up(used + numel, align)
-    if slots:
-        close()
-    return buckets
-
-
-def segments(spec: BucketSpec, lo: int, hi: int, keep) -> list[tuple[int, int]]:
-    """[s, e) ranges, relative to lo, of the slots within [lo, hi) for which keep(slot) holds;
-    neighbouring slots merged (the alignment gaps between them are zero, so they may be swallowed)."""
-    out: list[list[int]] = []
-    prev = -2
-    for j, s in enumerate(spec.slots):
-        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-        if a >= b or not keep(s):
-            continue
-        if out and prev == j - 1:
-            out[-1][1] = b - lo
-        else:
-            out.append([a - lo, b - lo])
-        prev = j
-    return [(a, b) for a, b in out]
-
-
-class _Bucket:
-    def __init__(self, spec: BucketSpec, param_dtype, grad_dtype, device):
-        self.spec = spec
-        self.data = torch.zeros(spec.numel, dtype=param_dtype, device=device)
-        self.grad = torch.zeros(spec.numel, dtype=grad_dtype, device=device)
-        self.grad_shard: torch.Tensor | None = None  # zero=2: this rank's reduced slice
-        self.nbytes = self.grad.untyped_storage().nbytes()
-        self.ready = 0
-        self.handle = None
-        self.freed = False
-
-    def materialize(self) -> None:
-        if self.freed:
-            self.grad.untyped_storage().resize_(self.nbytes)
-            self.grad.zero_()
-            self.freed = False
-
-    def free(self) -> None:
-        self.grad.untyped_storage().resize_(0)
-        self.freed = True
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
 class DataParallel:
@@ -213,8 +97,7 @@ class DataParallel:
         cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=grad_dtype).element_size())
         order, unit_of = list(reversed(named)), None
         if zero == 3:  # zero3.py: one bucket per block (units: the recipe's pipeline.layers) + a root
-            if expert:
-                raise comm.ConfigError("zero=3 with expert-parallel parameters is not supported; use zero 2")
+            # (experts: a block's expert weights get buckets of their own, sharded over edp)
             order, unit_of, _ = zero3_mod.unit_layout(model, named, units)
             cap = math.inf
         self.specs = plan_buckets(
@@ -227,7 +110,7 @@ class DataParallel:
         )
         self.slots = {s.name: s for spec in self.specs for s in spec.slots}
         device = named[0][1].device
-        self.buckets = [_Bucket(spec, self.param_dtype, grad_dtype, device) for spec in self.specs]
+        self.buckets = [Bucket(spec, self.param_dtype, grad_dtype, device) for spec in self.specs]
         self.views_grad = self.param_dtype == grad_dtype  # p.grad is the bucket view itself
         # fp32 copies of the starting values for the optimizer's masters, when the parameter
         # buffer cannot give them exactly (bf16 storage of an fp32 model); see master_source.
@@ -300,7 +183,7 @@ class DataParallel:
                     continue  # a group of one: nothing was reduce-scattered
                 for s in b.spec.slots:
                     p = self.params[s.name]
-                    if p.grad is not None and _aliases(p.grad, self._gviews[s.name]):
+                    if p.grad is not None and aliases(p.grad, self._gviews[s.name]):
                         p.grad = None  # its storage goes now; only the shard is kept
                 b.free()
         for b in self.buckets:
@@ -355,10 +238,10 @@ class DataParallel:
         return hook
 
     @torch.no_grad()
-    def _accumulate(self, p: torch.Tensor, name: str, b: _Bucket) -> None:
+    def _accumulate(self, p: torch.Tensor, name: str, b: Bucket) -> None:
         b.materialize()
         view, g = self._gviews[name], p.grad
-        if g is None or _aliases(g, view):
+        if g is None or aliases(g, view):
             return  # autograd accumulated into the bucket itself
         view.add_(g)  # first gradient after a free / zero_grad(set_to_none), or a bf16 one
         p.grad = view if self.views_grad else None
@@ -397,7 +280,7 @@ class DataParallel:
             return
         for s in b.spec.slots:
             p = self.params[s.name]
-            if p.grad is not None and _aliases(p.grad, self._gviews[s.name]):
+            if p.grad is not None and aliases(p.grad, self._gviews[s.name]):
                 p.grad = None
         b.free()
 
@@ -453,7 +336,7 @@ class DataParallel:
         lo, hi = self.opt_range(i)
         group = self.group_of(i)
         if not self.zero or group.size == 1:
-            if not _aliases(master, b.data[lo:hi]):
+            if not aliases(master, b.data[lo:hi]):
                 b.data[lo:hi].copy_(master)
             return None
         if self.zero3 is not None:  # the shard is the parameter storage: the next forward gathers
@@ -493,11 +376,7 @@ class DataParallel:
 
     def layout(self) -> str:
         """The bucket layout, one line per bucket."""
-        lines = []
-        for spec in self.specs:
-            names = ", ".join(s.name for s in spec.slots)
-            lines.append(f"bucket {spec.index}: {spec.numel} elements, {len(spec.slots)} params: {names}")
-        return "\n".join(lines)
+        return describe(self.specs)
 
 
 def tp_sharded(p: torch.Tensor) -> bool:

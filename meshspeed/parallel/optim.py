@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.parallel.data import DataParallel, segments, tp_sharded
+from meshspeed.parallel.buckets import segments
+from meshspeed.parallel.data import DataParallel, tp_sharded
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 

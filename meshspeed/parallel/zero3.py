@@ -24,8 +24,26 @@ ZeroAdamW updates this rank's 1/dp slice. What this file adds:
 Writes into the gathered buffers go through the bucket, not the parameter, so they leave the
 parameters' autograd version counters alone: tensors saved for backward stay valid.
 Anything reading or writing whole parameters outside forward (checkpoints, exports) does it
-inside `gathered()`. Refused (one line each, `check_zero3`, called by the run plan): pipeline
-parallelism, expert parallelism, sparse training, and zero_prefetch (ZeRO-1/2's gather).
+inside `gathered()`.
+
+Pipeline parallelism (`held()`, entered by PipelineRuntime.train_step and evaluate): a stage runs
+its micro-batches' forwards and backwards interleaved (1F1B, interleaved chunks), each a forward
+or backward of its own. Gathering per block and micro-batch (FSDP2's reshard_after_forward=True)
+would all-gather every block 2·m times a step and make the hooks track which micro-batch's
+backward runs next. Instead, as torchtitan does under pp (reshard_after_forward=False, reshard
+after the last backward), every unit of the stage model is gathered once when the step begins
+(asynchronously, in forward order: a block's pre-hook waits for its own gather only; the root,
+whose embedding or head runs without a hook of its own, is waited for at once) and freed when it
+ends; the hooks stand aside meanwhile. So within a step a rank holds its stage's whole
+parameters (1/pp of the model), as ZeRO-2 does; between steps, 1/dp of them. Gradients are
+ZeRO-2's under pp: full buckets accumulated (no_sync) until each chunk's last backward, then
+reduce-scattered. The root unit differs per stage (embedding on the first, final norm and head
+on the last, none in the middle): it is whatever the stage model holds outside its blocks.
+Expert parallelism: a block's expert weights are a bucket of their own, reduced and sharded over
+"edp" (DataParallel.group_of), so a block unit holds two or three buckets (dense and expert),
+gathered and freed together, each over its own group; an edp of one rank keeps its bucket whole.
+Refused (one line each, `check_zero3`, called by the run plan): sparse training and
+zero_prefetch (ZeRO-1/2's gather).
 """
 
 from __future__ import annotations
@@ -42,17 +60,8 @@ ROOT = ""  # the root unit's key: every parameter outside the blocks
 FREE, PENDING, READY = "free", "pending", "ready"
 
 
-def check_zero3(*, pp: int, ep: int, sparsity: str, prefetch: bool) -> None:
+def check_zero3(*, sparsity: str, prefetch: bool) -> None:
     """One ConfigError line for a setting ZeRO-3 does not combine with."""
-    if pp > 1:
-        raise comm.ConfigError(
-            f"parallel.zero=3 with parallel.pp={pp} is not supported (every block would be gathered "
-            f"once per micro-batch in flight); use parallel.zero 1 or 2 with pp"
-        )
-    if ep > 1:
-        raise comm.ConfigError(
-            f"parallel.zero=3 with parallel.ep={ep} is not supported yet; use parallel.zero 2 with ep"
-        )
     if sparsity != "none":
         raise comm.ConfigError(
             f"parallel.zero=3 with sparsity.pattern={sparsity}: masks read and edit whole weights "
@@ -100,11 +109,12 @@ def unit_layout(model: nn.Module, named: list[tuple[str, torch.Tensor]], blocks:
 
 
 class _Unit:
-    def __init__(self, key: str, module: nn.Module, bucket: int, n_params: int):
-        self.key, self.module, self.bucket, self.n_params = key, module, bucket, n_params
+    def __init__(self, key: str, module: nn.Module, buckets: list[int], n_params: int):
+        # buckets: one, or under ep a block's dense and expert buckets (reduced over dp / edp)
+        self.key, self.module, self.buckets, self.n_params = key, module, buckets, n_params
         self.root = key == ROOT
         self.state = FREE
-        self.handle = None
+        self.handles: list = []
         self.got = 0  # parameters whose gradient arrived in this backward
 
 
@@ -114,18 +124,25 @@ class Zero3:
     def __init__(self, dp, blocks: str | None):
         self.dp = dp
         _, unit_of, modules = unit_layout(dp.module, list(dp.params.items()), blocks)
-        by_key = {unit_of[spec.slots[0].name]: spec for spec in dp.specs}
+        by_key: dict[str, list] = {}
+        for spec in dp.specs:
+            by_key.setdefault(unit_of[spec.slots[0].name], []).append(spec)
         # forward order: the root, then the blocks as registered (blocks without parameters: none)
         self.units = [
-            _Unit(k, m, by_key[k].index, len(by_key[k].slots)) for k, m in modules.items() if k in by_key
+            _Unit(k, m, [sp.index for sp in by_key[k]], sum(len(sp.slots) for sp in by_key[k]))
+            for k, m in modules.items()
+            if k in by_key
         ]
-        self.of_bucket = {u.bucket: u for u in self.units}
-        self.active = dp.group.size > 1  # one dp rank: nothing to shard, ZeRO-2 exactly
+        self.of_bucket = {i: u for u in self.units for i in u.buckets}
+        # a bucket is sharded over its reduction group (group_of: dp, or edp for experts); a group
+        # of one rank (dp 1; edp 1 when ep = dp) keeps it whole, as ZeRO-2 does
+        self.sharded = [dp.group_of(i).size > 1 for i in range(len(dp.buckets))]
+        self.active = any(self.sharded)
         self.shards: list[torch.Tensor] = []
         self._nbytes: list[int] = []
         for i, b in enumerate(dp.buckets):
             self._nbytes.append(b.data.untyped_storage().nbytes())
-            if not self.active:
+            if not self.sharded[i]:
                 self.shards.append(b.data)
                 continue
             lo, hi = dp.dp_shard(i)
@@ -135,23 +152,26 @@ class Zero3:
         self.peak_bytes = self.live_param_bytes()
         self._order: list[_Unit] = []  # units run by the current grad-mode forward, in order
         self._final_queued = False
+        self._holding = False  # inside held(): every unit stays gathered, the hooks stand aside
         self._hooks = []
         if self.active:
             for u in self.units:
                 self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward(u)))
                 self._hooks.append(u.module.register_forward_hook(self._post_forward(u)))
-                for s in dp.specs[u.bucket].slots:
+                for s in (s for i in u.buckets for s in dp.specs[i].slots):
                     self._hooks.append(dp.params[s.name].register_post_accumulate_grad_hook(self._grad_in(u)))
 
     # -- gather / free -----------------------------------------------------------------------
     def _gather(self, u: _Unit) -> bool:
-        """Issue u's all-gather (asynchronous); False when it is already gathered or on the way."""
+        """Issue u's all-gathers (asynchronous); False when it is already gathered or on the way."""
         if u.state != FREE:
             return False
-        i = u.bucket
-        b = self.dp.buckets[i]
-        b.data.untyped_storage().resize_(self._nbytes[i])
-        u.handle = comm.all_gather(self.shards[i], self.dp.group_of(i), out=b.data, async_op=True)
+        for i in u.buckets:
+            if not self.sharded[i]:
+                continue
+            b = self.dp.buckets[i]
+            b.data.untyped_storage().resize_(self._nbytes[i])
+            u.handles.append(comm.all_gather(self.shards[i], self.dp.group_of(i), out=b.data, async_op=True))
         u.state = PENDING
         self.stats["gathers"] += 1
         self.peak_bytes = max(self.peak_bytes, self.live_param_bytes())
@@ -159,14 +179,17 @@ class Zero3:
 
     def _wait(self, u: _Unit) -> None:
         if u.state == PENDING:
-            u.handle.wait()
-            u.handle, u.state = None, READY
+            for h in u.handles:
+                h.wait()
+            u.handles, u.state = [], READY
 
     def _free(self, u: _Unit) -> None:
         if u.state == FREE:
             return
         self._wait(u)  # never release a buffer a collective is still writing
-        self.dp.buckets[u.bucket].data.untyped_storage().resize_(0)
+        for i in u.buckets:
+            if self.sharded[i]:
+                self.dp.buckets[i].data.untyped_storage().resize_(0)
         u.state = FREE
         self.stats["frees"] += 1
 
@@ -180,6 +203,9 @@ class Zero3:
         nxt = self.units[self.units.index(u) + 1] if self.units.index(u) + 1 < len(self.units) else None
 
         def hook(module, args) -> None:
+            if self._holding:
+                self._wait(u)  # held(): gathered at the step's start, maybe still on the wire
+                return
             if u.root and torch.is_grad_enabled():
                 self._order = []
             prefetched = not self._gather(u)
@@ -195,6 +221,8 @@ class Zero3:
 
     def _post_forward(self, u: _Unit):
         def hook(module, args, output) -> None:
+            if self._holding:
+                return
             if torch.is_grad_enabled():
                 order, pos = self._order, len(self._order) - 1
                 for t in tree_leaves(output):
@@ -228,6 +256,8 @@ class Zero3:
 
     def _grad_in(self, u: _Unit):
         def hook(p: torch.Tensor) -> None:
+            if self._holding:
+                return
             u.got += 1
             if u.got == u.n_params:  # the unit's backward is over: nothing reads its weights now
                 u.got = 0
@@ -248,18 +278,39 @@ class Zero3:
         if master.data_ptr() != shard.data_ptr():
             shard.copy_(master)
         u = self.of_bucket.get(i)
-        if u is not None and shard is not self.dp.buckets[i].data:
+        if u is not None and self.sharded[i]:
             self._free(u)  # a gathered copy is stale now; the next use gathers the new values
 
     @torch.no_grad()
     def load(self, i: int, full: torch.Tensor) -> None:
         """Set bucket i's parameters from `full` (its whole flat values, every rank alike)."""
-        lo, hi = self.dp.dp_shard(i) if self.active else (0, full.numel())
+        lo, hi = self.dp.dp_shard(i) if self.sharded[i] else (0, full.numel())
         self.shards[i].copy_(full[lo:hi])
         u = self.of_bucket.get(i)
-        if self.active and u is not None and u.state != FREE:
+        if self.sharded[i] and u is not None and u.state != FREE:
             self._wait(u)
             self.dp.buckets[i].data.copy_(full)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Every unit gathered from entry to exit, the hooks standing aside: a pipeline step (or
+        evaluation), whose micro-batches' forwards and backwards interleave (see the module's
+        docstring). Gathers are issued at entry in forward order; a block's forward pre-hook
+        waits for its own. Collective over dp on entry."""
+        if not self.active or self._holding:
+            yield
+            return
+        for u in self.units:
+            self._gather(u)
+        for u in self.units:
+            if u.root:
+                self._wait(u)  # the embedding / final norm and head run without a hook
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            self.release()
 
     @contextlib.contextmanager
     def gathered(self, writeback: bool = False):
@@ -278,16 +329,16 @@ class Zero3:
             if writeback:
                 with torch.no_grad():
                     for i, shard in enumerate(self.shards):
-                        lo, hi = self.dp.dp_shard(i)
-                        shard.copy_(self.dp.buckets[i].data[lo:hi])
+                        if self.sharded[i]:  # else the shard is the bucket itself
+                            lo, hi = self.dp.dp_shard(i)
+                            shard.copy_(self.dp.buckets[i].data[lo:hi])
             self.release()
 
     def live_param_bytes(self) -> int:
         """Bytes of parameter storage this rank holds now: its shards and the gathered buckets
         (counted storage sizes, not an estimate)."""
         n = sum(s.untyped_storage().nbytes() for s in self.shards)
-        if self.active:
-            n += sum(b.data.untyped_storage().nbytes() for b in self.dp.buckets)
+        n += sum(b.data.untyped_storage().nbytes() for i, b in enumerate(self.dp.buckets) if self.sharded[i])
         return n
 
     def remove_hooks(self) -> None:

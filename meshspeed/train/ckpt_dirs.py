@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 
 import torch
 
@@ -223,3 +224,45 @@ def newest_verified(run_dir: str, mesh) -> tuple[str | None, list[tuple[str, str
             return path, skipped
         skipped.append((path, reason))
     return None, skipped
+
+
+def resume_path(which: str, run_dir: str, mesh, lead: bool) -> tuple[str | None, bool]:
+    """(checkpoint to load, whether it was verified already) for `checkpoint.resume=which`:
+    'latest' and 'auto' take the newest checkpoint that verifies against its manifest, saying
+    in one line (on the lead rank) each one they skip; 'auto' with none yields (None, False),
+    start at step 0. A path is returned as given (the load verifies it)."""
+    if which not in ("latest", "auto"):
+        return which, False
+    quiet = not lead
+    path, skipped = newest_verified(run_dir, mesh)
+    if lead:
+        for bad, why in skipped:
+            instead = f"resuming from {path} instead" if path else "no earlier checkpoint verifies"
+            print(
+                f"meshspeed: checkpoint {bad} does not verify ({why}); {instead}", file=sys.stderr, flush=True
+            )
+    if path is None and skipped:
+        raise echo(
+            CheckpointError(
+                f"checkpoint.resume={which}: none of the {len(skipped)} checkpoints in {run_dir} verifies "
+                f"(newest: {skipped[0][0]}: {skipped[0][1]}); restore one from a copy, or start over "
+                f"with --run.overwrite true"
+            ),
+            quiet,
+        )
+    if path is None and which == "auto":
+        if lead:
+            print(
+                f"meshspeed: checkpoint.resume=auto: no checkpoint in {run_dir}, starting at step 0",
+                flush=True,
+            )
+        return None, False
+    if path is None:
+        raise echo(
+            ConfigError(
+                f"checkpoint.resume=latest but {run_dir} holds no complete checkpoint; drop "
+                f"--checkpoint.resume or point --run.dir at the earlier run"
+            ),
+            quiet,
+        )
+    return path, True

@@ -46,7 +46,7 @@ class ParallelSection:
         0,
         "ZeRO stage: 0 off, 1 shard optimizer state, 2 also shard gradients, 3 also shard parameters "
         "(each block all-gathered just before its forward and backward, the next one prefetched; "
-        "not with pp, ep or sparsity)",
+        "with pp a stage's blocks stay gathered through the step; not with sparsity)",
         (0, 1, 2, 3),
     )
     zero_prefetch: bool = opt(

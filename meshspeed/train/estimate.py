@@ -26,7 +26,8 @@ worth in buffers (the one in backward and the prefetched one; one if only one is
 net device saving.
 ZeRO-3 keeps 1/dp of the parameters too, and holds gathered at a time the root unit (embedding,
 final norm, output) and two blocks (the one running and the prefetched one), counted in buffers;
-a block is the rank's parameters less the root's, over n_layers.
+a block is the rank's parameters less the root's, over n_layers. Under pipeline parallelism the
+stage's parameters are gathered for the whole step (Zero3.held): all of them, in buffers.
 MoE blocks count their router, routed slots (T·k per rank: balanced routing, also under ep)
 and shared experts (`meshspeed.memory.estimate.moe_ffn_bytes`).
 """
@@ -60,6 +61,8 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
         root = model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) // dims.tp + model.dim
         block = max(params - root, 0) // max(model.n_layers, 1)
         param_bytes, gathered = -(-param_bytes // dp), (root + 2 * block) * b
+        if dims.pp > 1:  # zero3.held(): the stage's parameters stay gathered through the step
+            gathered = params * b
     s, mb, h, tp = t.seq_len, t.micro_batch_size, model.dim, dims.tp
     mode = cfg.memory.recompute
     recompute_layers = cfg.memory.recompute_layers or None  # 0: every layer

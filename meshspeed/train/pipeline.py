@@ -112,13 +112,14 @@ class TrainerPipeline:
             self.trace_files = self.write_trace(step)
         return total
 
-    def validate(self, val_loader) -> tuple[torch.Tensor, int]:
+    def validate(self, val_loader, dp=None) -> tuple[torch.Tensor, int]:
         """(sum of the validation losses, their count) on this data-parallel rank; the trainer
-        averages over dp on the backend's device (a CPU float64 reduce fails on NCCL)."""
+        averages over dp on the backend's device (a CPU float64 reduce fails on NCCL). `dp`:
+        the stage model's DataParallel (ZeRO-3 gathers the stage around each batch)."""
         total, n = torch.zeros((), dtype=torch.float64), 0
         for b in range(val_loader.num_batches):
             micro = self._local(val_loader.batches(b))
-            total += self.runtime.evaluate(micro)
+            total += self.runtime.evaluate(micro, dp)
             n += len(micro)
         return total, n
 

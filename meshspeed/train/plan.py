@@ -123,7 +123,7 @@ def _check_model(cfg, config: ModelConfig, recipe) -> None:
         check_exportable(config, "checkpoint.export_hf=true: ")
     check_experts(cfg, config)
     if p.zero == 3:
-        check_zero3(pp=p.pp, ep=p.ep, sparsity=cfg.sparsity.pattern, prefetch=p.zero_prefetch)
+        check_zero3(sparsity=cfg.sparsity.pattern, prefetch=p.zero_prefetch)
     m = cfg.memory
     if m.loss_chunk < 1:
         raise ConfigError(f"memory.loss_chunk={m.loss_chunk} must be ≥ 1 (sequence positions per chunk)")

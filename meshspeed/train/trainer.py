@@ -20,34 +20,27 @@ import torch
 from meshspeed import comm
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
-from meshspeed.kernels.fused import triton_usable
-from meshspeed.memory import (
-    apply_recompute,
-    apply_swap_activations,
-    chunked_model_loss,
-    offload_optimizer,
-    share_fp32_masters,
-)
+from meshspeed.memory import chunked_model_loss, offload_optimizer, share_fp32_masters
 from meshspeed.models import recipe_for
 from meshspeed.models.flops import flops_per_token
-from meshspeed.models.layers import set_fused_kernels
 from meshspeed.models.llama import document_positions
-from meshspeed.parallel.context import apply_context_parallel, context_parallel, shard_sequence
+from meshspeed.parallel.context import context_parallel, shard_sequence
 from meshspeed.parallel.materialize import build_parallel_model
 from meshspeed.parallel.optim import build_data_parallel, clip_grad_norm_, grad_norm
 from meshspeed.parallel.pipeline.layout import StageLayout
-from meshspeed.parallel.tensor import loss_fn, set_tp_overlap
+from meshspeed.parallel.tensor import loss_fn
 from meshspeed.parallel.zero_prefetch import enable_zero_prefetch
 from meshspeed.sparse.cuda import invalidate_compressed
 from meshspeed.train import checkpoint as ckpt
 from meshspeed.train import config as config_mod
-from meshspeed.train.ckpt_dirs import CheckpointError, newest_verified
+from meshspeed.train.ckpt_dirs import resume_path
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
-from meshspeed.train.experts import apply_expert_parallel, expert_load, update_routing_bias
+from meshspeed.train.experts import expert_load, update_routing_bias
 from meshspeed.train.export import export_safetensors
 from meshspeed.train.hf_export import export_hf, source_hf_config
 from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
 from meshspeed.train.metrics import MetricsLogger, lr_at, peak_flops
+from meshspeed.train.model_features import apply_model_features
 from meshspeed.train.pipeline import TrainerPipeline
 from meshspeed.train.plan import RunPlan, make_plan
 from meshspeed.train.sparsity import build_sparsity
@@ -112,21 +105,9 @@ class Trainer:
             self.model = build_parallel_model(
                 self.recipe, self.mesh, seed=t.seed, device=ctx.device, sequence_parallel=p.sequence_parallel
             )
-        apply_expert_parallel(self.model, self.mesh, cfg)  # ep > 1: this rank's block of experts
-        if p.tp_overlap:  # plan/config checked sequence_parallel; 0 chunks = the cost model's K per layer
-            set_tp_overlap(self.model, True, p.tp_overlap_chunks or None)
-        if t.fused_kernels:
-            usable, why = triton_usable(ctx.device)
-            if not usable:
-                raise ConfigError(f"train.fused_kernels=true on {ctx.device}: {why}; set it to false")
-            set_fused_kernels(self.model, True)
-        if self.cp is not None:
-            apply_context_parallel(self.model, self.cp)
-        # after the cp core is in: selective recompute wraps whichever attention core runs
+        # ep, tp overlap, fused kernels, cp cores, recompute, swap: in the order they compose
+        apply_model_features(self.model, cfg, self.mesh, self.recipe, ctx.device, self.cp)
         m = cfg.memory
-        apply_recompute(self.model, m.recompute, m.recompute_layers or None, self.recipe.pipeline.layers)
-        if m.swap_activations:  # the attention cores' saved tensors to host memory (memory/swap.py)
-            apply_swap_activations(self.model, ctx.device, m.swap_layers or None, self.recipe.pipeline.layers)
         if init_weights:  # before the optimizer copies the weights into its masters
             ckpt.load_checkpoint(init_weights, self.model, None, self.mesh, strict=False, restore_rng=False)
         self.dp, self.opt = build_data_parallel(
@@ -193,51 +174,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------
     def _resume(self, which: str) -> int:
-        """Load the checkpoint `which` names ('latest', 'auto' or a path) and return its step.
-        Every file is verified against its manifest first; 'latest' and 'auto' fall back to the
-        newest checkpoint that verifies, saying so in one line per one they skip."""
-        run_dir, quiet = self.cfg.run.dir, not self.lead
-        if which in ("latest", "auto"):
-            path, skipped = newest_verified(run_dir, self.mesh)
-            if self.lead:
-                for bad, why in skipped:
-                    instead = f"resuming from {path} instead" if path else "no earlier checkpoint verifies"
-                    print(
-                        f"meshspeed: checkpoint {bad} does not verify ({why}); {instead}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            if path is None and skipped:
-                raise echo(
-                    CheckpointError(
-                        f"checkpoint.resume={which}: none of the {len(skipped)} checkpoints in {run_dir} "
-                        f"verifies "
-                        f"(newest: {skipped[0][0]}: {skipped[0][1]}); restore one from a copy, or start over "
-                        f"with --run.overwrite true"
-                    ),
-                    quiet,
-                )
-            if path is None and which == "auto":
-                if self.lead:
-                    print(
-                        f"meshspeed: checkpoint.resume=auto: no checkpoint in {run_dir}, starting at step 0",
-                        flush=True,
-                    )
-                return 0
-            if path is None:
-                raise echo(
-                    ConfigError(
-                        f"checkpoint.resume=latest but {run_dir} holds no complete "
-                        f"checkpoint; drop --checkpoint.resume or point --run.dir at the "
-                        f"earlier run"
-                    ),
-                    quiet,
-                )
-            with self._whole_weights():
-                state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=False)  # verified
-        else:
-            with self._whole_weights():
-                state = ckpt.load_checkpoint(which, self.model, self.opt, self.mesh)
+        """Load the checkpoint `which` names ('latest', 'auto' or a path: ckpt_dirs.resume_path)
+        and return its step (0: 'auto' found none)."""
+        path, verified = resume_path(which, self.cfg.run.dir, self.mesh, self.lead)
+        if path is None:
+            return 0
+        with self._whole_weights():
+            state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=not verified)
         if self.sparsity is not None:
             self.sparsity.load_state_dict((state["extra"] or {}).get("sparsity"))
         if self.lead:
@@ -373,7 +316,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         if self.pipeline is not None:
-            total, n = self.pipeline.validate(self.val_loader)
+            total, n = self.pipeline.validate(self.val_loader, self.dp)  # dp: ZeRO-3 gathers the stage
             return self._mean_over_dp(total, n)
         total, n = torch.zeros((), dtype=self.loss_dtype, device=self.ctx.device), 0
         for b in range(self.val_loader.num_batches):

@@ -18,7 +18,8 @@ from torch import nn
 
 from meshspeed import comm, models
 from meshspeed.comm import placement
-from meshspeed.parallel.data import DataParallel, plan_buckets
+from meshspeed.parallel.buckets import plan_buckets
+from meshspeed.parallel.data import DataParallel
 from meshspeed.parallel.optim import ZeroAdamW, build_data_parallel, clip_grad_norm_, grad_norm
 from tests import harness
 

@@ -1,6 +1,7 @@
 """ZeRO-3 (meshspeed/parallel/zero3.py) against one process: forward, gradients and AdamW steps
 at dp 2, 3 and 4 and dp 2 × tp 2; the parameter bytes a rank holds outside forward (1/dp) and at
-its peak (the root unit + two blocks); the trainer's losses; checkpoints crossing ZeRO stages.
+its peak (the root unit + two blocks); the trainer's losses (also under pp 2 × dp 2 and ep);
+checkpoints crossing ZeRO stages.
 
 The oracle is torch.optim.AdamW + clip_grad_norm_ on the single-device model fed each step's
 whole global batch; the parallel runs split it over dp ranks and two micro-batches (no_sync on
@@ -26,8 +27,9 @@ from meshspeed.parallel.tensor import model_loss
 from meshspeed.train import config
 from meshspeed.train.checkpoint import read_safetensors
 from meshspeed.train.plan import make_plan
+from meshspeed.train.trainer import Trainer
 from tests import harness
-from tests.train.test_trainer import _losses, job_losses, job_run
+from tests.train.test_trainer import _cfg, _losses, job_losses, job_run
 
 SEQ, MICRO, ACCUM, STEPS = 16, 12, 2, 3  # MICRO: global samples per micro-batch (divisible by 2, 3, 4)
 HP = dict(lr=3e-3, weight_decay=0.5, betas=(0.9, 0.95), eps=1e-5)
@@ -109,7 +111,7 @@ def job_parity(ctx, dp_size: int, tp: int, overrides: tuple) -> dict:
             for n, p in model.named_parameters()
         }
     out["params"] = full if ctx.rank == 0 else None
-    numel = {u.key: dp.specs[u.bucket].numel for u in z.units}
+    numel = {u.key: sum(dp.specs[i].numel for i in u.buckets) for u in z.units}
     out["bytes"] = {
         "all": 4 * sum(numel.values()),
         "root_and_two_blocks": 4 * (numel[""] + 2 * max(n for k, n in numel.items() if k)),
@@ -231,7 +233,8 @@ def test_plan_counts_one_dp_share_of_the_parameters(tmp_path):
 
     two, three = mem(2), mem(3)
     assert three["params"] == -(-two["params"] // 4)
-    assert three["grads"] == two["grads"] and three["optimizer"] == two["optimizer"]
+    # float32: ZeRO-2 clones its slice as the master (12 B of state per element), ZeRO-3's shard is it (8 B)
+    assert three["grads"] == two["grads"] and three["optimizer"] * 3 == two["optimizer"] * 2
     assert two["params"] > three["buffers"] - two["buffers"] > 0  # the gathered blocks, less than all
 
 
@@ -248,8 +251,19 @@ MOE = [("model.preset", "tiny-moe"), ("model.n_kv_heads", "2")]
         (2, [("parallel.tp", "1"), ("parallel.cp", "2")], []),
         (2, [("parallel.tp", "1"), ("memory.recompute", "full"), ("memory.chunked_loss", "true")], []),
         (2, [("parallel.tp", "1"), *MOE], MOE),
+        (2, [("parallel.tp", "1"), ("parallel.ep", "2"), *MOE], MOE),  # edp 1: expert buckets whole
+        (4, [("parallel.tp", "1"), ("parallel.ep", "2"), *MOE], MOE),  # edp 2: expert buckets sharded
     ],
-    ids=["dp2", "dp2-tp2", "dp2-tp2-sp", "cp2", "dp2-recompute-chunked-loss", "moe-dp2"],
+    ids=[
+        "dp2",
+        "dp2-tp2",
+        "dp2-tp2-sp",
+        "cp2",
+        "dp2-recompute-chunked-loss",
+        "moe-dp2",
+        "moe-ep2",
+        "moe-dp4-ep2",
+    ],
 )
 def test_trainer_losses_equal_single_process(tmp_path, ws, extra, ref):
     want = harness.run(1, job_losses, str(tmp_path / "ref"), [("parallel.tp", "1"), *ref], 4)[0]
@@ -279,3 +293,85 @@ def test_checkpoints_cross_zero3_and_zero0_or_1(tmp_path):
     assert set(got) == set(want)
     for n, w in want.items():
         assert torch.allclose(got[n], w, rtol=1e-5, atol=1e-6), n
+
+
+# ------------------------------------------------------------------------------ pipeline
+PP_MODEL = [("parallel.tp", "1"), ("model.n_layers", "4")]  # 2 blocks per pp rank, 1 per chunk at vpp 2
+PP_STEPS = 3
+
+
+def job_pipeline(ctx, run_dir: str, extra: list) -> dict:
+    """Losses, the validation loss and the parameter bytes counted between steps (one process:
+    the reference, no ZeRO-3)."""
+    trainer = Trainer(_cfg(run_dir, PP_MODEL + extra + [("train.steps", str(PP_STEPS))]), ctx)
+    z = trainer.dp.zero3
+    out: dict = {"losses": [], "live": []}
+    for step in range(PP_STEPS):
+        out["losses"].append(trainer.train_step(step)["loss"])
+        out["live"].append(z.live_param_bytes() if z else 0)
+    out["val"] = trainer.validate()
+    if z is not None:
+        out["live"].append(z.live_param_bytes())
+        out["peak"], out["gathers"], out["units"] = z.peak_bytes, z.stats["gathers"], len(z.units)
+        out["shards"] = sum(s.nbytes for s in z.shards)
+        out["all"] = sum(b.data.element_size() * b.spec.numel for b in trainer.dp.buckets)
+        out["passes"] = PP_STEPS + trainer.val_loader.num_batches  # train steps + validation batches
+    return out
+
+
+def test_zero3_under_pipeline_trains_like_one_process(tmp_path):
+    """pp 2 × dp 2 with 1F1B, interleaved vpp 2 and zero-bubble: losses and validation loss equal
+    one process's; the stage is gathered once per step (not per micro-batch), 1/dp between steps."""
+    want = harness.run(1, job_pipeline, str(tmp_path / "ref"), [])[0]
+    for name, extra in (
+        ("1f1b", []),
+        ("interleaved-vpp2", [("parallel.vpp", "2"), ("parallel.pp_schedule", "interleaved")]),
+        ("zero-bubble", [("parallel.pp_schedule", "zero-bubble")]),  # weight gradients in W, after B
+    ):
+        layout = [("parallel.pp", "2"), ("parallel.zero", "3"), *extra]
+        got = harness.run(4, job_pipeline, str(tmp_path / name), layout)
+        for r in got:
+            assert r["losses"] == got[0]["losses"] and r["val"] == got[0]["val"], f"{name}: ranks disagree"
+            for step, (g, w) in enumerate(zip(r["losses"], want["losses"])):
+                assert abs(g - w) <= 1e-5 * abs(w), f"{name} step {step}: {g} vs single-process {w}"
+            assert abs(r["val"] - want["val"]) <= 1e-5 * abs(want["val"]), name
+            # between steps (and after validation) a rank holds exactly 1/dp of its stage's buckets;
+            assert r["live"] == [r["shards"]] * (PP_STEPS + 1) and 2 * r["shards"] == r["all"], name
+            # within a step its whole stage, each unit gathered once per step or validation batch
+            assert r["peak"] == r["shards"] + r["all"], name
+            assert r["gathers"] == r["units"] * r["passes"], (name, r)
+
+
+def test_plan_accepts_pp_and_counts_the_stage_gathered_through_the_step(tmp_path):
+    def ranks(zero: int) -> list:
+        over = [("parallel.tp", "1"), ("parallel.pp", "2"), ("parallel.zero", str(zero))]
+        over += [("model.n_layers", "4"), ("run.dir", str(tmp_path))]
+        return make_plan(config.load(None, over), 4).ranks
+
+    for two, three in zip(ranks(2), ranks(3)):
+        two, three = two["memory"], three["memory"]
+        assert three["params"] == -(-two["params"] // 2)  # dp 2
+        assert three["buffers"] - two["buffers"] == two["params"]  # the stage, held in the step
+        assert three["grads"] == two["grads"]
+
+
+def job_expert_shards(ctx, run_dir: str) -> dict:
+    over = [("parallel.tp", "1"), ("parallel.ep", "2"), ("parallel.zero", "3"), *MOE, ("train.steps", "1")]
+    trainer = Trainer(_cfg(run_dir, over), ctx)
+    trainer.train_step(0)
+    dp, z = trainer.dp, trainer.dp.zero3
+    return {
+        "groups": {spec.kind: dp.group_of(i).size for i, spec in enumerate(dp.specs)},
+        "one_share": all(
+            z.shards[i].numel() * dp.group_of(i).size == s.numel for i, s in enumerate(dp.specs)
+        ),
+        "live_is_shards": z.live_param_bytes() == sum(s.nbytes for s in z.shards),
+        "buckets_per_unit": sorted({len(u.buckets) for u in z.units}),
+    }
+
+
+def test_zero3_shards_expert_buckets_over_edp(tmp_path):
+    """dp 4 × ep 2: dense buckets 1/4 (dp), a block's expert bucket 1/2 (edp), gathered together."""
+    for r in harness.run(4, job_expert_shards, str(tmp_path)):
+        assert r["groups"] == {"dp": 4, "expert": 2} and r["one_share"] and r["live_is_shards"], r
+        assert max(r["buckets_per_unit"]) > 1, r  # a block holds a dense and an expert bucket

@@ -52,15 +52,6 @@ BAD = [
     (["--train.steps", "0"], "train.steps=0 must be ≥ 1"),
     (["--train.steps", "ten"], "train.steps='ten' is not an integer"),
     (["--parallel.zero", "4"], "parallel.zero='4' is not valid"),
-    (
-        ["--nproc", "2", "--parallel.tp", "1", "--parallel.pp", "2", "--parallel.zero", "3"],
-        "parallel.zero=3 with parallel.pp=2 is not supported",
-    ),
-    (
-        ["--model.preset", "tiny-moe", "--nproc", "4", "--parallel.tp", "1", "--parallel.ep", "2"]
-        + ["--parallel.zero", "3"],
-        "parallel.zero=3 with parallel.ep=2 is not supported yet",
-    ),
     (["--parallel.zero", "3", "--sparsity.pattern", "2:4"], "parallel.zero=3 with sparsity.pattern=2:4"),
     (["--parallel.zero", "3", "--parallel.zero_prefetch", "true"], "ZeRO-3 always prefetches"),
     (["--nproc", "3", "--parallel.tp", "3"], "parallel.tp=3 does not divide n_heads=4"),

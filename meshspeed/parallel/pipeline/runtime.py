@@ -20,6 +20,8 @@ whole plan; the runtime adds no ordering of its own:
 - Data parallelism: each chunk's last parameter-gradient action (its last B, or W when split)
   runs outside dp.no_sync(), so the bucketed reduction of that chunk's gradients starts while
   the pipeline drains; all earlier ones accumulate locally.
+- ZeRO-3: the stage's parameters are gathered when the step starts and freed when it ends
+  (Zero3.held), not per micro-batch.
 
 The loss is computed on the last stage, summed over microbatches and broadcast over the pp
 group, so every rank reports the same number.
@@ -63,6 +65,13 @@ class _Live:
     roots: list[torch.Tensor]  # backward starts here: output or loss / m, then aux / m
     emb: torch.Tensor | None = None  # split, first stage: embedding output, its backward is W's
     wgrad: WeightGrad | None = None
+
+
+def _held(dp):
+    """ZeRO-3 (parallel/zero3.py): the stage's parameters gathered once for the whole step, not
+    per block and micro-batch (the micro-batches' passes interleave; see Zero3.held)."""
+    z = getattr(dp, "zero3", None)
+    return z.held() if z is not None else contextlib.nullcontext()
 
 
 class PipelineRuntime:
@@ -175,24 +184,25 @@ class PipelineRuntime:
         if self.trace:
             comm.barrier(self.group)  # a common origin for the ranks' timelines
         t_start = time.perf_counter()
-        for i, a in enumerate(self.actions):
-            for j in self._post_before.get(i, ()):
-                r = self.actions[j]
-                self.comm.post_recv((r.kind, r.microbatch, r.chunk), r.peer, self.shape, dtype)
-            t0 = time.perf_counter()
-            if a.kind in (RECV_F, RECV_B):
-                self._inbox[self._key(a)] = self.comm.take((a.kind, a.microbatch, a.chunk))
-            elif a.kind in (SEND_F, SEND_B):
-                self.comm.send(self._outbox.pop(self._key(a)), a.peer)
-            elif a.kind == F:
-                self._forward(a)
-            else:
-                sync = dp is None or i in self._sync_at
-                with contextlib.nullcontext() if sync else dp.no_sync():
-                    self._backward(a) if a.kind == B else self._weight(a)
-            if times is not None:
-                times.append((t0 - t_start, time.perf_counter() - t_start))
-        self.comm.drain()
+        with _held(dp):
+            for i, a in enumerate(self.actions):
+                for j in self._post_before.get(i, ()):
+                    r = self.actions[j]
+                    self.comm.post_recv((r.kind, r.microbatch, r.chunk), r.peer, self.shape, dtype)
+                t0 = time.perf_counter()
+                if a.kind in (RECV_F, RECV_B):
+                    self._inbox[self._key(a)] = self.comm.take((a.kind, a.microbatch, a.chunk))
+                elif a.kind in (SEND_F, SEND_B):
+                    self.comm.send(self._outbox.pop(self._key(a)), a.peer)
+                elif a.kind == F:
+                    self._forward(a)
+                else:
+                    sync = dp is None or i in self._sync_at
+                    with contextlib.nullcontext() if sync else dp.no_sync():
+                        self._backward(a) if a.kind == B else self._weight(a)
+                if times is not None:
+                    times.append((t0 - t_start, time.perf_counter() - t_start))
+            self.comm.drain()
         if self._live or self._inbox or self._outbox:
             raise RuntimeError(
                 f"pipeline step ended with state left: live {list(self._live)[:4]}, "
@@ -278,10 +288,15 @@ class PipelineRuntime:
 
     # -- forward only -----------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def evaluate(self, micro: list[tuple[torch.Tensor, torch.Tensor]], dp=None) -> torch.Tensor:
         """Sum over `micro` of the cross-entropy, forward only (float64, CPU, on every rank).
         Chunk-major order (all microbatches through chunk 0, then chunk 1, ...): every rank
-        only waits for activations already sent, so no schedule is needed."""
+        only waits for activations already sent, so no schedule is needed. `dp`: the stage
+        model's DataParallel, needed under ZeRO-3 (its parameters are gathered around the pass)."""
+        with _held(dp):
+            return self._evaluate(micro)
+
+    def _evaluate(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         fn = loss_fn(self.stages.model, self.stages.recipe.loss) if self.stages.has_head else None
         dtype = self._dtype()
         self._inbox, self._losses = {}, []
