@@ -153,3 +153,20 @@ def test_zero3_benchmark_runs(tmp_path):
     assert ms["exact_peak_param_bytes"] >= ms["peak_param_bytes"] > ms["param_bytes_between_steps"] > 0
     for r in rows.values():
         assert r["step_ms"] > 0 and r["peak_param_bytes"] > r["param_bytes_between_steps"] > 0, r
+
+
+@pytest.mark.slow
+def test_memory_benchmark_runs_every_feature():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"), "--dim", "64", "--layers", "2"]
+    cmd += ["--seq", "32", "--steps", "1", "--no-zero3"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "not run:" not in out.stdout, out.stdout  # every feature ran
+    for row in (
+        "recompute full",
+        "ZeRO-3",
+        "offload optimizer",
+        "reuse fp32 param (bf16)",
+        "swap activations",
+    ):
+        assert row in out.stdout, out.stdout
