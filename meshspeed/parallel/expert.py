@@ -167,6 +167,12 @@ def expert_parallel(
 ) -> nn.Module:
     """Replace every MoE layer of `model` (modules with `experts` and `router`) in place by
     its ExpertParallelMoE over `group`; returns the model."""
+    return replace_moe_layers(model, lambda m: ExpertParallelMoE(m, group, dispatcher, capacity_factor))
+
+
+def replace_moe_layers(model: nn.Module, make) -> nn.Module:
+    """Swap every MoE layer of `model` (a module with `experts` and `router` that is not already
+    expert parallel) for make(layer), in place; returns the model."""
     targets = [
         (name, m)
         for name, m in model.named_modules()
@@ -175,7 +181,7 @@ def expert_parallel(
     for name, m in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, ExpertParallelMoE(m, group, dispatcher, capacity_factor))
+        setattr(parent, leaf, make(m))
     return model
 
 

@@ -39,7 +39,7 @@ from meshspeed import comm
 from meshspeed.comm.algorithms import bounds
 from meshspeed.comm.placement import Shard, full_tensor, shard_parameter, sharding_of
 
-from .expert import ExpertParallelMoE
+from .expert import ExpertParallelMoE, replace_moe_layers
 
 MODES = ("split", "tokens", "fold")
 
@@ -175,14 +175,5 @@ def expert_tensor_parallel(
     """Replace every MoE layer of `model` (modules with `experts` and `router`; single-device or
     already tensor parallel) in place by its ExpertTensorParallelMoE; returns the model.
     ep_group: mesh["ep"] (ep × tp ranks for `fold`), tp: mesh["tp"]."""
-    targets = [
-        (name, m)
-        for name, m in model.named_modules()
-        if hasattr(m, "experts") and hasattr(m, "router") and not isinstance(m, ExpertParallelMoE)
-    ]
-    for name, m in targets:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        new = ExpertTensorParallelMoE(m, ep_group, tp, mode, sequence_parallel, dispatcher, capacity_factor)
-        setattr(parent, leaf, new)
-    return model
+    args = (ep_group, tp, mode, sequence_parallel, dispatcher, capacity_factor)
+    return replace_moe_layers(model, lambda m: ExpertTensorParallelMoE(m, *args))
