@@ -96,13 +96,17 @@ def build_parallel_model(
     sequence_parallel: bool = False,
     plan=None,
     keep=None,
+    transform=None,
 ) -> nn.Module:
     """This rank's model: built on meta, `keep(model)` applied (a pipeline stage drops what it
-    does not hold), tensor parallel over mesh["tp"], then materialised. Without a process
+    does not hold), tensor parallel over mesh["tp"], `transform(model)` applied (expert
+    parallelism: the expert weights are cut on meta too), then materialised. Without a process
     group (one device) it is the single-device model."""
     with torch.device("meta"):
         model = recipe.build()
     if keep is not None:
         keep(model)
     parallelize(model, mesh, recipe, sequence_parallel=sequence_parallel, plan=plan)
+    if transform is not None:
+        transform(model)
     return materialize(model, recipe, mesh, seed=seed, device=device, dtype=dtype)

@@ -12,14 +12,13 @@ from meshspeed.memory import apply_recompute, apply_swap_activations
 from meshspeed.models.layers import set_fused_kernels
 from meshspeed.parallel.context import apply_context_parallel
 from meshspeed.parallel.tensor import set_tp_overlap
-from meshspeed.train.experts import apply_expert_parallel
 
 
 def apply_model_features(model: nn.Module, cfg, mesh, recipe, device, cp=None) -> None:
-    """Before the data-parallel buckets are built (expert parallelism slices the expert weights).
-    cp: the context-parallel core (parallel/context.py) when parallel.cp > 1."""
+    """After expert parallelism (applied on meta, while building: the expert weights are born
+    sharded) and before the data-parallel buckets are built. cp: the context-parallel core
+    (parallel/context.py) when parallel.cp > 1."""
     p, t, m = cfg.parallel, cfg.train, cfg.memory
-    apply_expert_parallel(model, mesh, cfg)  # ep > 1: this rank's block of experts
     if p.tp_overlap:  # plan/config checked sequence_parallel; 0 chunks = the cost model's K per layer
         set_tp_overlap(model, True, p.tp_overlap_chunks or None)
     if t.fused_kernels:

@@ -64,9 +64,10 @@ def check(cfg, recipe, microbatches: int):
 class TrainerPipeline:
     """This rank's stages and runtime, plus what the trainer's step and validation need."""
 
-    def __init__(self, cfg, mesh, recipe, microbatches: int, device, layouts=None, cp=None):
+    def __init__(self, cfg, mesh, recipe, microbatches: int, device, layouts=None, cp=None, transform=None):
         """cp: the context-parallel core (parallel/context.py) when parallel.cp > 1: micro-batches
-        are cut to this rank's slice of each sequence, and its positions feed RoPE."""
+        are cut to this rank's slice of each sequence, and its positions feed RoPE. transform:
+        applied to the stage model on meta before its weights are materialised (experts)."""
         from meshspeed.parallel.pipeline.runtime import PipelineRuntime
         from meshspeed.parallel.pipeline.stage import build_stages
 
@@ -81,6 +82,7 @@ class TrainerPipeline:
             device=device,
             sequence_parallel=p.sequence_parallel,
             layouts=layouts,
+            transform=transform,
         )
         self.model = self.stages.model
         self.runtime = PipelineRuntime(

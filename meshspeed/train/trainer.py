@@ -35,7 +35,7 @@ from meshspeed.train import checkpoint as ckpt
 from meshspeed.train import config as config_mod
 from meshspeed.train.ckpt_dirs import resume_path
 from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
-from meshspeed.train.experts import expert_load, update_routing_bias
+from meshspeed.train.experts import apply_expert_parallel, expert_load, update_routing_bias
 from meshspeed.train.export import export_safetensors
 from meshspeed.train.hf_export import export_hf, source_hf_config
 from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
@@ -94,18 +94,28 @@ class Trainer:
         # pp > 1: this rank's stage model (other stages' layers deleted, FQNs kept) + the schedule's runtime
         # cp > 1: the attention cores see this rank's tokens only (its zigzag slice of each sequence)
         self.cp = context_parallel(self.mesh, p.cp_impl, p.cp_ulysses) if p.cp > 1 else None
-        self.pipeline = (
-            TrainerPipeline(cfg, self.mesh, self.recipe, self.accum, ctx.device, self._layouts(), self.cp)
-            if p.pp > 1
-            else None
-        )
-        if self.pipeline is not None:
+
+        def experts(model):  # ep > 1: this rank's block of experts, cut on meta (born sharded)
+            apply_expert_parallel(model, self.mesh, cfg)
+
+        self.pipeline = None
+        if p.pp > 1:
+            layouts = self._layouts()
+            self.pipeline = TrainerPipeline(
+                cfg, self.mesh, self.recipe, self.accum, ctx.device, layouts, self.cp, experts
+            )
             self.model = self.pipeline.model
         else:
+            sp = p.sequence_parallel
             self.model = build_parallel_model(
-                self.recipe, self.mesh, seed=t.seed, device=ctx.device, sequence_parallel=p.sequence_parallel
+                self.recipe,
+                self.mesh,
+                seed=t.seed,
+                device=ctx.device,
+                sequence_parallel=sp,
+                transform=experts,
             )
-        # ep, tp overlap, fused kernels, cp cores, recompute, swap: in the order they compose
+        # tp overlap, fused kernels, cp cores, recompute, swap: in the order they compose
         apply_model_features(self.model, cfg, self.mesh, self.recipe, ctx.device, self.cp)
         m = cfg.memory
         if init_weights:  # before the optimizer copies the weights into its masters

@@ -191,3 +191,33 @@ def test_bias_balancing_is_layout_independent(tmp_path, ws, extra):
     for losses, biases in harness.run(ws, job_bias, str(tmp_path / "n"), bias + extra, STEPS):
         _close(losses, want_losses)
         assert biases == want_bias
+
+
+def job_born_sharded(ctx, run_dir: str, extra: list) -> list[str]:
+    """Build the trainer while recording every expert-weight split: each must cut a meta tensor
+    (no rank ever holds the full [E, ...] expert weights), leaving this rank's block."""
+    import meshspeed.parallel.expert as expert_mod
+    from meshspeed.comm.placement import sharding_of
+    from meshspeed.parallel.expert import expert_params
+    from meshspeed.train.trainer import Trainer
+    from tests.train.test_trainer import _cfg
+
+    real, cut = expert_mod.shard_parameter, []
+    expert_mod.shard_parameter = lambda p, *a, **k: (cut.append(p.is_meta), real(p, *a, **k))[1]
+    try:
+        trainer = Trainer(_cfg(run_dir, extra + [("train.steps", "1")]), ctx)
+    finally:
+        expert_mod.shard_parameter = real
+    bad = [] if cut and all(cut) else [f"expert splits on meta: {cut}"]
+    ep = trainer.mesh["ep"].size
+    for p in expert_params(trainer.model)[0]:  # (their bytes now live in the DP buckets)
+        if p.shape[0] * ep != sharding_of(p).full_shape[0]:
+            bad.append(f"expert piece {list(p.shape)} of {list(sharding_of(p).full_shape)} at ep {ep}")
+    return bad
+
+
+@pytest.mark.parametrize("extra", [[("parallel.ep", "2")], [("parallel.ep", "2"), ("parallel.pp", "2")]])
+def test_expert_weights_are_born_sharded(tmp_path, extra):
+    ws = 4 if ("parallel.pp", "2") in extra else 2
+    got = harness.run(ws, job_born_sharded, str(tmp_path), MOE + extra)
+    assert got == [[]] * ws

@@ -261,3 +261,14 @@ def test_tokenizer_vocabulary_must_fit_the_model(tmp_path, hf_models):
             comm.init(),
         )
     assert "has 301 tokens but the model's vocab_size is 256" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_init_from_under_expert_parallelism_reads_only_this_ranks_experts(tmp_path, hf_models):
+    """Mixtral at ep 2: experts born sharded from the file's slices, first loss as one process."""
+    init = [("model.init_from", hf_models["mixtral"]), ("parallel.tp", "1")]
+    ((want, full),) = harness.run(1, job_first_loss, str(tmp_path / "one"), init)
+    got = harness.run(2, job_first_loss, str(tmp_path / "ep2"), init + [("parallel.ep", "2")])
+    for loss, _ in got:
+        assert abs(loss - want) <= 1e-5 * abs(want), f"ep2: {loss} vs one process {want}"
+    # the dense weights are replicated, the routed experts (~70% here) split: well under a full read
+    assert all(n < 0.75 * full for _, n in got), ([n for _, n in got], full)

@@ -178,9 +178,11 @@ def stage_model(
     sequence_parallel: bool = False,
     plan=None,
     dtype: torch.dtype | None = None,
+    transform=None,
 ) -> nn.Module:
     """The single-device model reduced to what pipeline rank `rank` holds, tensor parallel over
-    mesh["tp"], each piece initialised exactly as the full model's."""
+    mesh["tp"] (then `transform`, on meta: build_parallel_model), each piece initialised exactly
+    as the full model's."""
     return build_parallel_model(
         recipe,
         mesh,
@@ -190,6 +192,7 @@ def stage_model(
         sequence_parallel=sequence_parallel,
         plan=plan,
         keep=keep_stage(recipe, layouts, rank),
+        transform=transform,
     )
 
 
@@ -205,6 +208,7 @@ def build_stages(
     plan=None,
     dtype: torch.dtype | None = None,
     layouts: list[StageLayout] | None = None,
+    transform=None,
 ) -> PipelineStages:
     """This rank's pipeline stages (pp and rank from `mesh`), tensor parallel over mesh["tp"].
     `layouts`: the stages already resolved (the trainer's run plan), else from `layout`."""
@@ -220,5 +224,6 @@ def build_stages(
         sequence_parallel=sequence_parallel,
         plan=plan,
         dtype=dtype,
+        transform=transform,
     )
     return PipelineStages(model, recipe, layouts, rank, pp, vpp)
