@@ -33,7 +33,7 @@ from meshspeed.parallel.zero3 import check_zero3
 from meshspeed.train import config as config_mod
 from meshspeed.train.data import accumulation_steps
 from meshspeed.train.estimate import estimate_memory
-from meshspeed.train.experts import check_experts, expert_parallel, expert_tensor_parallel, with_moe_settings
+from meshspeed.train.experts import apply_expert_parallel, check_experts, with_moe_settings
 from meshspeed.train.model_source import preset_config
 
 
@@ -225,19 +225,14 @@ def _owner(fqn: str, units) -> tuple[str, int | None]:
     return "other", None
 
 
-def rank_params(recipe, dims: ParallelDims, layouts, sequence_parallel: bool) -> tuple[int, list[int]]:
+def rank_params(recipe, dims: ParallelDims, layouts, cfg) -> tuple[int, list[int]]:
     """(the model's parameters, those each rank holds: tied ones once per rank), from one meta
     build."""
     with torch.device("meta"):
         model = recipe.build()
     total = sum(p.numel() for p in model.parameters())
-    parallelize(model, _Shapes(dims, 0), recipe, sequence_parallel=sequence_parallel)
-    if dims.ep > 1 or dims.expert_tp != "split":  # the experts' tags, as the trainer sets them
-        shapes = _Shapes(dims, 0)
-        if dims.tp > 1:
-            expert_tensor_parallel(model, shapes["ep"], shapes["tp"], dims.expert_tp, sequence_parallel)
-        else:
-            expert_parallel(model, shapes["ep"])
+    parallelize(model, _Shapes(dims, 0), recipe, sequence_parallel=cfg.parallel.sequence_parallel)
+    apply_expert_parallel(model, _Shapes(dims, 0), cfg)  # the experts' tags: the trainer's own call
     units = recipe.pipeline
     params = list(model.named_parameters(remove_duplicate=False))
     out = []
@@ -304,9 +299,7 @@ def make_plan(cfg, world_size: int, *, ranks: bool = True) -> RunPlan:
             f"{p.pp * cfg.train.micro_batch_size * dims.dp} (≥ pp micro-batches)"
         )
     if ranks:
-        plan.total_params, counts = rank_params(
-            recipe, dims, layouts if p.pp > 1 else None, p.sequence_parallel
-        )
+        plan.total_params, counts = rank_params(recipe, dims, layouts if p.pp > 1 else None, cfg)
         for rank, n in enumerate(counts):
             coords = dims.coords(rank)
             plan.ranks.append(
