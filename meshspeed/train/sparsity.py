@@ -56,6 +56,7 @@ from meshspeed.sparse import (
 from meshspeed.sparse import report as sparse_report
 from meshspeed.sparse.background import MaskJob, Snapshot
 from meshspeed.sparse.rigl import reset_regrown
+from meshspeed.train.sparsity_view import FullView, gather_mask
 
 GRAD_ADAPTERS = ("gradient", "sensitivity")
 
@@ -115,103 +116,6 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return out
 
 
-def _split(groups: dict, sharding) -> bool:
-    """Whether a tensor laid out as `sharding` is really split (some axis group has > 1 member)."""
-    return sharding is not None and any(groups[d].size > 1 for d, _ in sharding.axes)
-
-
-def _gather_mask(mask: torch.Tensor, groups: dict, sharding) -> torch.Tensor:
-    if not _split(groups, sharding):
-        return mask.clone()
-    # gloo has no bool collectives: move the mask as bytes
-    return placement.full_tensor(mask.to(torch.uint8), groups, sharding).bool()
-
-
-class _FullView:
-    """A sparse target seen as its full logical weight, with the surface MaskController reads
-    (name, weight[.grad], mask, nm, transposable, groups, sr_ste_lambda, set_mask).
-
-    The full weight is gathered over tp at its first access in an update and released when the
-    new mask is set, so an update holds one full weight at a time (all of them only with an
-    adapter, which scores every layer first). The full mask is kept (bool, 1 byte/weight)."""
-
-    def __init__(self, name: str, local, groups: dict, need_grad: bool):
-        """groups: mesh dim -> Group for the splits a weight may have: "tp", and "ep" for the
-        stacked experts under expert parallelism (every rank then sees every expert's mask)."""
-        self.name, self.local, self.split_groups, self.need_grad = name, local, groups, need_grad
-        p = local.weight
-        self.sharding = placement.sharding_of(p)
-        if self.sharding is not None and any(d not in groups for d, _ in self.sharding.axes):
-            raise ConfigError(
-                f"{name}: sparse training knows tensor- and expert-parallel splits only, not {self.sharding}"
-            )
-        self.full_shape = self.sharding.full_shape if self.sharding is not None else p.shape
-        self._w: torch.Tensor | None = None
-        self.mask = _gather_mask(local.mask, groups, self.sharding)
-        placement.tag(local.mask, self.sharding)  # checkpoints shard the mask like its weight
-
-    @property
-    def groups(self) -> int:
-        return self.full_shape[0] if len(self.full_shape) > 2 else 1
-
-    # the pattern lives on the local layer (its set_mask checks it); an elastic change sets both
-    @property
-    def nm(self):
-        return self.local.nm
-
-    @nm.setter
-    def nm(self, value) -> None:
-        self.local.nm = value
-
-    @property
-    def transposable(self) -> bool:
-        return self.local.transposable
-
-    @transposable.setter
-    def transposable(self, value: bool) -> None:
-        self.local.transposable = value
-
-    @property
-    def sr_ste_lambda(self) -> float:
-        return self.local.sr_ste_lambda
-
-    @sr_ste_lambda.setter
-    def sr_ste_lambda(self, value: float) -> None:
-        self.local.sr_ste_lambda = float(value)
-
-    def _full(self, t: torch.Tensor) -> torch.Tensor:
-        return placement.full_tensor(t, self.split_groups, self.sharding)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        if self._w is None:
-            p = self.local.weight
-            w = self._full(p).float()
-            if w.data_ptr() == p.data_ptr():
-                w = w.clone()  # RigL zeroes regrown entries of this copy; the real reset is ours
-            if self.need_grad:
-                g = getattr(p, "main_grad", None)  # bf16 parameters keep their fp32 gradient there
-                g = g if g is not None else p.grad
-                w.grad = None if g is None else self._full(g).float()
-            self._w = w
-        return self._w
-
-    def local_piece(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's torch.chunk piece of a full-shape tensor (the split of the parameter)."""
-        if not _split(self.split_groups, self.sharding):
-            return full
-        out = full
-        for d, p in self.sharding.axes:  # in split order: tp's piece of ep's piece, ...
-            g = self.split_groups[d]
-            out = placement.local_piece(out, p, g.rank, g.size)
-        return out.contiguous()
-
-    def set_mask(self, mask: torch.Tensor, *, check: bool = True) -> None:
-        self.mask = mask.to(torch.bool)
-        self.local.set_mask(self.local_piece(self.mask), check=check)
-        self._w = None
-
-
 class SparsityHook:
     """Drives the masks of a sparsified parallel model; built by `build_sparsity`.
 
@@ -224,7 +128,7 @@ class SparsityHook:
     and their growth reads the live gradients. A checkpoint taken with an update in flight
     carries its full masks (bool, in rank 0's state) so a resume installs them at the same step."""
 
-    def __init__(self, model: nn.Module, config: SparsityConfig, views: list[_FullView], optimizer):
+    def __init__(self, model: nn.Module, config: SparsityConfig, views: list[FullView], optimizer):
         self.model, self.config, self.views, self.optimizer = model, config, views, optimizer
         try:
             self.controller = MaskController(model, None, config, target_list=[(v.name, v) for v in views])
@@ -312,7 +216,7 @@ class SparsityHook:
                 self._reset(v, v.local_piece(new & ~old))
         return pending["flip_rate"]
 
-    def _reset(self, view: _FullView, where: torch.Tensor) -> None:
+    def _reset(self, view: FullView, where: torch.Tensor) -> None:
         """Regrown weights start at zero with zero optimizer state (weight, master, moments)."""
         opt = self.optimizer
         if hasattr(opt, "reset_state_where"):
@@ -340,7 +244,7 @@ class SparsityHook:
             self.controller.load_state_dict(state["controller"])
         for v in self.views:
             v.local.set_mask(v.local.mask.clone())
-            v.mask = _gather_mask(v.local.mask, v.split_groups, v.sharding)
+            v.mask = gather_mask(v.local.mask, v.split_groups, v.sharding)
         if state is not None:
             for v in self.views:
                 v.sr_ste_lambda = state["sr_ste_lambda"][v.name]
@@ -412,7 +316,7 @@ def build_sparsity(
             setattr(model.get_submodule(parent) if parent else model, child, local)
         else:  # a tp linear keeps its mask under the name a SparseLinear's has: checkpoints reshard
             local = SparseParam(mod, pname, name=name, mask_name="mask" if pname == "weight" else None, **kw)
-        views.append(_FullView(name, local, {"tp": group, "ep": mesh["ep"]}, need_grad))
+        views.append(FullView(name, local, {"tp": group, "ep": mesh["ep"]}, need_grad))
     hook = SparsityHook(model, config, views, optimizer)
     hook.async_masks = section.async_masks
     if section.sparse_grad_comm:

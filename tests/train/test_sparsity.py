@@ -23,7 +23,7 @@ from meshspeed.parallel.optim import build_data_parallel
 from meshspeed.sparse import is_nm, is_transposable_nm, mask_for
 from meshspeed.train import config
 from meshspeed.train.checkpoint import CheckpointError
-from meshspeed.train.sparsity import _gather_mask
+from meshspeed.train.sparsity_view import gather_mask
 from meshspeed.train.trainer import Trainer
 from tests import harness
 
@@ -53,7 +53,7 @@ def _cfg(run_dir: str, extra: list) -> config.Config:
 
 def _full_masks(trainer) -> dict[str, torch.Tensor]:
     """Every sparse weight's mask gathered from the local buffers (collective over tp)."""
-    return {v.name: _gather_mask(v.local.mask, v.split_groups, v.sharding) for v in trainer.sparsity.views}
+    return {v.name: gather_mask(v.local.mask, v.split_groups, v.sharding) for v in trainer.sparsity.views}
 
 
 def _full_weights(trainer) -> dict[str, torch.Tensor]:
