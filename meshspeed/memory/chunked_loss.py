@@ -51,7 +51,7 @@ def chunked_loss(
     """
     if chunk < 1:
         raise ValueError(f"memory.chunked_loss chunk={chunk}; use a positive number of positions")
-    blocks = targets.view(targets.shape[0], sp_ranks, -1)  # [batch, tp, seq/tp]
+    blocks = targets.reshape(targets.shape[0], sp_ranks, -1)  # [batch, tp, seq/tp]
     starts = range(0, blocks.shape[2], chunk)
 
     def chunk_targets(i: int) -> torch.Tensor:
