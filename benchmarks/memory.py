@@ -173,7 +173,7 @@ def zero3_against_fsdp2(args) -> None:
     spec = importlib.util.spec_from_file_location("zero3_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.main([] if args.nproc is None else ["--nproc", str(args.nproc)])
+    mod.main(["--nproc", str(args.nproc)])
 
 
 def main() -> None:

@@ -116,12 +116,8 @@ def _model(args):
     return build_model(cfg, seed=args.seed)
 
 
-def build_meshspeed(args, mesh):
-    model = _model(args)
-    dp, opt = build_data_parallel(
-        model, mesh, zero=3, dtype=torch.float32, units="layers", lr=LR, weight_decay=WD, betas=BETAS, eps=EPS
-    )
-    z = dp.zero3
+def _step(model, opt):
+    """One training step, the same on both sides: loss, backward, optimizer step."""
 
     def step(x, y):
         opt.zero_grad()
@@ -130,7 +126,17 @@ def build_meshspeed(args, mesh):
         opt.step()
         return loss.detach()
 
-    return step, Sampler(model, z.live_param_bytes), z.live_param_bytes, z, (model, dp, opt)
+    return step
+
+
+def build_meshspeed(args, mesh):
+    model = _model(args)
+    dp, opt = build_data_parallel(
+        model, mesh, zero=3, dtype=torch.float32, units="layers", lr=LR, weight_decay=WD, betas=BETAS, eps=EPS
+    )
+    z = dp.zero3
+
+    return _step(model, opt), Sampler(model, z.live_param_bytes), z.live_param_bytes, z, (model, dp, opt)
 
 
 def build_fsdp2(args, mesh):
@@ -149,15 +155,8 @@ def build_fsdp2(args, mesh):
     groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
 
-    def step(x, y):
-        opt.zero_grad()
-        loss = cross_entropy_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
     count = lambda: fsdp2_param_bytes(model)  # noqa: E731
-    return step, Sampler(model, count), count, None, (model, opt)
+    return _step(model, opt), Sampler(model, count), count, None, (model, opt)
 
 
 SIDES = (("meshspeed", "meshspeed zero=3", build_meshspeed), ("peer", "FSDP2 fully_shard", build_fsdp2))

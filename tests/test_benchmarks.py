@@ -30,34 +30,17 @@ def _env() -> dict:
     return env
 
 
+def _bench(script: str, args: list, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run benchmarks/<script> with args in a clean environment; the completed process."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
+
+
 @pytest.mark.slow
 def test_train_step_benchmark_runs(tmp_path):
     rows_file = tmp_path / "rows.json"
-    out = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "train_step.py"),
-            "--nproc",
-            "2",
-            "--steps",
-            "2",
-            "--rounds",
-            "1",
-            "--warmup",
-            "1",
-            "--batch",
-            "4",
-            "--seq-len",
-            "32",
-            "--json",
-            str(rows_file),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-        cwd=tmp_path,
-    )
+    args = ["--nproc", 2, "--steps", 2, "--rounds", 1, "--warmup", 1, "--batch", 4, "--seq-len", 32]
+    out = _bench("train_step.py", args + ["--json", rows_file], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "peer/meshspeed" in out.stdout and "counted bytes per rank" in out.stdout, out.stdout
     assert "LOSS MISMATCH" not in out.stdout, out.stdout
@@ -74,29 +57,8 @@ def test_build_memory_benchmark_runs(tmp_path):
     rank and the born-sharded path peaks lower. Sizes chosen so the margins are MiBs while RSS
     noise after the script's warm-up build is KiBs: FFN-heavy (3 x 64 x 16384 per block)."""
     figures = tmp_path / "build_memory.json"
-    out = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "build_memory.py"),
-            "--dim",
-            "64",
-            "--layers",
-            "2",
-            "--vocab",
-            "256",
-            "--ffn",
-            "16384",
-            "--tp",
-            "2",
-            "--json",
-            str(figures),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-        cwd=tmp_path,
-    )
+    args = ["--dim", 64, "--layers", 2, "--vocab", 256, "--ffn", 16384, "--tp", 2, "--json", figures]
+    out = _bench("build_memory.py", args, tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "peak bytes" in out.stdout and "before / after peak growth" in out.stdout, out.stdout
     data = json.load(open(figures))
@@ -120,9 +82,8 @@ def test_build_memory_benchmark_runs(tmp_path):
 
 @pytest.mark.slow
 def test_moe_benchmark_runs():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe.py"), "--ep", "2", "--dim", "32"]
-    cmd += ["--hidden", "64", "--tokens", "64", "--steps", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
+    args = ["--ep", 2, "--dim", 32, "--hidden", 64, "--tokens", 64, "--steps", 1]
+    out = _bench("moe.py", args, ROOT, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     for line in ("ep a2a serial", "shared-expert overlap (2 shared)", "torch._grouped_mm"):
         assert line in out.stdout, out.stdout
@@ -136,14 +97,7 @@ def test_zero3_benchmark_runs(tmp_path):
     rows_file = tmp_path / "rows.json"
     args = ["--model", "tiny", "--layers", "3", "--nproc", "2", "--steps", "2", "--rounds", "1"]
     args += ["--warmup", "1", "--batch", "4", "--seq-len", "32", "--json", str(rows_file)]
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "zero3.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-        cwd=tmp_path,
-    )
+    out = _bench("zero3.py", args, tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "peak param bytes/rank" in out.stdout and "FSDP2/meshspeed step time" in out.stdout, out.stdout
     assert "LOSS MISMATCH" not in out.stdout, out.stdout
@@ -157,9 +111,8 @@ def test_zero3_benchmark_runs(tmp_path):
 
 @pytest.mark.slow
 def test_memory_benchmark_runs_every_feature():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"), "--dim", "64", "--layers", "2"]
-    cmd += ["--seq", "32", "--steps", "1", "--no-zero3"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    args = ["--dim", 64, "--layers", 2, "--seq", 32, "--steps", 1, "--no-zero3"]
+    out = _bench("memory.py", args, ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "not run:" not in out.stdout, out.stdout  # every feature ran
     for row in (
