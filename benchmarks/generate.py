@@ -22,8 +22,8 @@ import torch
 
 from meshspeed import comm
 from meshspeed.infer.generate import Stats, generate
+from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
 from meshspeed.parallel.materialize import build_parallel_model
-from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
 
 
 def main() -> None:

@@ -113,8 +113,8 @@ def measure(trainer, args, ctx) -> dict:
 def worker(args, out_path: str) -> None:
     torch.set_num_threads(1)
     ctx = comm.init("gloo")
-    from meshspeed.train import config
-    from meshspeed.train.plan import make_plan
+    from meshspeed.plan import config
+    from meshspeed.plan.run_plan import make_plan
     from meshspeed.train.trainer import Trainer
 
     rows = {}

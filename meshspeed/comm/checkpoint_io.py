@@ -1,5 +1,5 @@
 """Checkpoint I/O through torch.distributed.checkpoint (DCP): the thin layer under
-`meshspeed.train.checkpoint`.
+`meshspeed.checkpoint.dcp`.
 
 It is the one deliberate use of torch.distributed outside the collectives: DCP runs its own
 planning collectives on the default group, and its resharding works on DTensors, which need the

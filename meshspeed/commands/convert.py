@@ -75,8 +75,8 @@ def _fail(msg: str) -> int:
 def run(args) -> int:
     import torch
 
+    from meshspeed.checkpoint.dirs import CheckpointError
     from meshspeed.comm.errors import ConfigError
-    from meshspeed.train.ckpt_dirs import CheckpointError
 
     importing, exporting = bool(args.from_hf or args.out), bool(args.checkpoint or args.to_hf)
     if (
@@ -94,12 +94,12 @@ def run(args) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         if importing:
-            from meshspeed.train.hf_io import convert_from_hf
+            from meshspeed.interop.hf_import import convert_from_hf
 
             path = convert_from_hf(args.from_hf, args.out, dtype or torch.float32)
             print(f"wrote meshspeed checkpoint {path}\ntrain from it with: --model.init_from {args.out}")
         else:
-            from meshspeed.train.hf_export import export_checkpoint
+            from meshspeed.interop.hf_export import export_checkpoint
 
             files = export_checkpoint(
                 args.checkpoint,

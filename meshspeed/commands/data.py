@@ -39,7 +39,7 @@ def register(sub) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    # Values are checked by meshspeed.train.prepare, so a bad one is one line naming the flag.
+    # Values are checked by meshspeed.data.prepare, so a bad one is one line naming the flag.
     p.add_argument(
         "--out",
         default="",
@@ -116,7 +116,7 @@ class _Progress:
 
 
 def run_prepare(args) -> int:
-    from meshspeed.train.prepare import DataError, prepare_tokens, sidecar_path
+    from meshspeed.data.prepare import DataError, prepare_tokens, sidecar_path
 
     try:
         workers = args.workers

@@ -21,7 +21,7 @@ Settings default to what the checkpoint's run recorded; --section.key overrides 
 
 
 def register(sub) -> None:
-    from meshspeed.train import config
+    from meshspeed.plan import config
 
     p = sub.add_parser(
         "eval",
@@ -44,9 +44,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from meshspeed.comm import ConfigError, launch, launched
-    from meshspeed.infer.evaluate import eval_config, worker
-    from meshspeed.train import config
-    from meshspeed.train.plan import make_plan, world_size
+    from meshspeed.plan import config
+    from meshspeed.plan.run_plan import make_plan, world_size
+    from meshspeed.train.evaluate import eval_config, worker
 
     quiet = launched() and os.environ.get("RANK", "0") != "0"
     try:

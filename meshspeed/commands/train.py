@@ -36,7 +36,7 @@ data-parallel rank takes its slice, so losses match across layouts.
 
 
 def register(sub) -> None:
-    from meshspeed.train import config
+    from meshspeed.plan import config
 
     p = sub.add_parser(
         "train",
@@ -62,9 +62,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from meshspeed.comm import ConfigError, launch, launched
-    from meshspeed.train import config
+    from meshspeed.plan import config
+    from meshspeed.plan.run_plan import describe, make_plan, world_size
     from meshspeed.train.job import prepare_run_dir, worker
-    from meshspeed.train.plan import describe, make_plan, world_size
 
     if args.json and not args.dry_run:
         print("meshspeed train: --json prints the plan of --dry-run; add --dry-run", file=sys.stderr)

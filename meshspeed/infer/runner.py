@@ -17,11 +17,11 @@ from meshspeed.comm import ConfigError
 
 def resolve(opts: dict) -> dict:
     """Checked, plain-data job description from the command's options (see commands/generate.py)."""
+    from meshspeed.data.tokenizer import check_vocab, load_tokenizer
+    from meshspeed.interop.hf_import import HFCheckpoint, is_hf_dir
+    from meshspeed.interop.model_source import checkpoint_model_config
     from meshspeed.models import recipe_for
     from meshspeed.parallel.tensor import check_tp
-    from meshspeed.train.hf_io import HFCheckpoint, is_hf_dir
-    from meshspeed.train.model_source import checkpoint_model_config
-    from meshspeed.train.tokenizer import check_vocab, load_tokenizer
 
     if bool(opts.get("checkpoint")) == bool(opts.get("hf")):
         raise ConfigError("give exactly one of --checkpoint DIR (meshspeed) or --hf DIR (Hugging Face)")
@@ -85,13 +85,13 @@ def resolve(opts: dict) -> dict:
 
 def worker(job: dict) -> None:
     """Every rank: build the (tensor-parallel) model, load the weights, generate, rank 0 reports."""
+    from meshspeed.checkpoint.dcp import load_checkpoint
+    from meshspeed.checkpoint.dirs import COMPLETE, CheckpointError, newest_verified
+    from meshspeed.data.tokenizer import load_tokenizer
     from meshspeed.infer.generate import SamplingConfig, Stats
     from meshspeed.infer.parallel import build_inference_model, generate_parallel
+    from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
     from meshspeed.models import ModelConfig, recipe_for
-    from meshspeed.train.checkpoint import load_checkpoint
-    from meshspeed.train.ckpt_dirs import COMPLETE, CheckpointError, newest_verified
-    from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
-    from meshspeed.train.tokenizer import load_tokenizer
 
     ctx = comm.init()
     mesh = comm.ParallelDims(tp=job["tp"], dp=job["dp"], pp=job["pp"]).build(ctx)

@@ -1,6 +1,6 @@
 """The Hugging Face mapping of the Llama-shaped families, beside their models: config.json <->
 ModelConfig, tensor names, and the rotary layout. Pure data and tensor reshuffles; the files are
-read and written by meshspeed/train/hf_io.py.
+read and written by meshspeed/interop/hf_import.py.
 
     HF model_type        meshspeed                     HF class written back
     llama, mistral       family "llama", dense         LlamaForCausalLM

@@ -17,9 +17,9 @@ import os
 import sys
 
 from meshspeed import comm
+from meshspeed.checkpoint.dirs import check_fresh, clear_run_dir
 from meshspeed.comm.errors import echo
-from meshspeed.train import config as config_mod
-from meshspeed.train.ckpt_dirs import check_fresh, clear_run_dir
+from meshspeed.plan import config as config_mod
 
 
 def from_dict(d: dict) -> config_mod.Config:
@@ -107,7 +107,7 @@ def worker(plan_dict: dict, prepared: bool = False) -> None:
     """Runs on every rank (spawned by `meshspeed train` or under torchrun), given the run plan
     (train/plan.py) as plain data. `prepared`: the launcher already applied the run-directory
     policy."""
-    from meshspeed.train.plan import RunPlan
+    from meshspeed.plan.run_plan import RunPlan
     from meshspeed.train.trainer import Trainer
 
     plan = RunPlan.from_dict(plan_dict)

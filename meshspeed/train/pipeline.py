@@ -13,52 +13,8 @@ import os
 
 import torch
 
-from meshspeed.comm import ConfigError
 from meshspeed.memory import chunked_model_loss
-from meshspeed.parallel.pipeline.actions import ScheduleError
-from meshspeed.parallel.pipeline.schedules import get_schedule
 from meshspeed.parallel.tensor import loss_fn
-
-
-def check(cfg, recipe, microbatches: int):
-    """Everything about the pipeline settings that can be wrong, as one ConfigError line, for
-    the run plan: schedule vs vpp, micro-batches the schedule needs, the stage layout (layers vs
-    pp*vpp, empty stages). Returns (stage layouts, the schedule's simulation), or ([], None)
-    without pipeline parallelism."""
-    from meshspeed.parallel.pipeline.analysis import evaluate
-    from meshspeed.parallel.pipeline.stage import stage_layouts
-
-    p = cfg.parallel
-    if p.pp == 1:
-        for key, value, default in (("vpp", p.vpp, 1), ("pp_layout", p.pp_layout, "")):
-            if value != default:
-                raise ConfigError(
-                    f"parallel.{key}={value!r} needs parallel.pp > 1 (pipeline stages); "
-                    f"set --parallel.pp 2 or leave parallel.{key} at {default!r}"
-                )
-        return [], None
-    key = f"parallel.pp_schedule={p.pp_schedule}"
-    per = cfg.train.global_batch_size // microbatches  # sequences per micro-batch, all dp ranks
-    try:
-        fn = get_schedule(p.pp_schedule)
-        if fn.interleaved and p.vpp < 2:
-            raise ScheduleError(
-                f"needs parallel.vpp >= 2 model chunks per rank (got vpp={p.vpp}); "
-                f"set --parallel.vpp 2 or use --parallel.pp_schedule 1f1b"
-            )
-        if not fn.interleaved and p.vpp != 1:
-            raise ScheduleError(
-                f"runs one model chunk per rank but parallel.vpp={p.vpp}; use --parallel.vpp 1 or "
-                f"--parallel.pp_schedule interleaved"
-            )
-        sim = evaluate(p.pp_schedule, p.pp, p.vpp, microbatches)
-    except ScheduleError as e:
-        hint = f"; e.g. train.global_batch_size={e.microbatches * per}" if e.microbatches else ""
-        raise ConfigError(
-            f"{key} with {microbatches} microbatches (train.global_batch_size / (micro_batch_size × dp) "
-            f"= {cfg.train.global_batch_size} / {per}): {e}{hint}"
-        ) from None
-    return stage_layouts(recipe, p.pp, p.vpp, p.pp_layout), sim  # raises ConfigError lines
 
 
 class TrainerPipeline:

@@ -45,6 +45,7 @@ from meshspeed.comm import ConfigError, placement
 from meshspeed.models.moe import GroupedExperts
 from meshspeed.parallel.sparse_comm import SparseGradComm
 from meshspeed.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from meshspeed.plan.sparsity import sparsity_config
 from meshspeed.sparse import (
     MaskController,
     SparseLinear,
@@ -56,45 +57,9 @@ from meshspeed.sparse import (
 from meshspeed.sparse import report as sparse_report
 from meshspeed.sparse.background import MaskJob, Snapshot
 from meshspeed.sparse.rigl import reset_regrown
-from meshspeed.train.sparsity_view import FullView, gather_mask
+from meshspeed.sparse.view import FullView, gather_mask
 
 GRAD_ADAPTERS = ("gradient", "sensitivity")
-
-
-def sparsity_config(section, *, total_steps: int | None = None, seed: int = 0) -> SparsityConfig | None:
-    """The core SparsityConfig of a [sparsity] section (None for pattern 'none'); ConfigError if invalid."""
-    if section.pattern == "none":
-        for key in ("async_masks", "pattern_schedule", "sparse_grad_comm"):
-            if getattr(section, key):
-                raise ConfigError(
-                    f"sparsity.{key}={getattr(section, key)!r} needs masks; set sparsity.pattern "
-                    f"(e.g. 2:4) or leave sparsity.{key} unset"
-                )
-        return None
-    ramp = section.ramp_steps or max(1, (total_steps or 2) // 2)
-    try:
-        return SparsityConfig(
-            pattern=section.pattern,
-            target=section.target or None,
-            initial=section.initial,
-            schedule=section.schedule,
-            ramp_steps=ramp,
-            total_steps=total_steps,
-            update_interval=section.update_interval,
-            method=section.method,
-            layers=section.layers,
-            sr_ste_lambda=None if section.sr_ste_lambda < 0 else section.sr_ste_lambda,
-            warmup_steps=section.warmup_steps,
-            dense_finish_steps=section.dense_finish_steps,
-            distribution=section.distribution,
-            adapter=section.adapter,
-            drop_fraction=section.drop_fraction,
-            transposable=section.transposable,
-            seed=seed,
-            pattern_schedule=section.pattern_schedule,
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 def _matcher(spec: str):

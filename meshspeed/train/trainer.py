@@ -18,8 +18,15 @@ import time
 import torch
 
 from meshspeed import comm
+from meshspeed.checkpoint import dcp as ckpt
+from meshspeed.checkpoint.dirs import resume_path
+from meshspeed.checkpoint.export import export_safetensors
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
+from meshspeed.data.loader import GlobalBatchLoader, ValidationLoader, load_tokens
+from meshspeed.data.tokenizer import load_tokenizer
+from meshspeed.interop.hf_export import export_hf, source_hf_config
+from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
 from meshspeed.memory import chunked_model_loss, offload_optimizer, share_fp32_masters
 from meshspeed.models import recipe_for
 from meshspeed.models.flops import flops_per_token
@@ -30,21 +37,15 @@ from meshspeed.parallel.optim import build_data_parallel, clip_grad_norm_, grad_
 from meshspeed.parallel.pipeline.layout import StageLayout
 from meshspeed.parallel.tensor import loss_fn
 from meshspeed.parallel.zero_prefetch import enable_zero_prefetch
+from meshspeed.plan import config as config_mod
+from meshspeed.plan.experts import apply_expert_parallel
+from meshspeed.plan.run_plan import RunPlan, make_plan
 from meshspeed.sparse.cuda import invalidate_compressed
-from meshspeed.train import checkpoint as ckpt
-from meshspeed.train import config as config_mod
-from meshspeed.train.ckpt_dirs import resume_path
-from meshspeed.train.data import GlobalBatchLoader, ValidationLoader, load_tokens
-from meshspeed.train.experts import apply_expert_parallel, expert_load, update_routing_bias
-from meshspeed.train.export import export_safetensors
-from meshspeed.train.hf_export import export_hf, source_hf_config
-from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
+from meshspeed.train.experts import expert_load, update_routing_bias
 from meshspeed.train.metrics import MetricsLogger, lr_at, peak_flops
 from meshspeed.train.model_features import apply_model_features
 from meshspeed.train.pipeline import TrainerPipeline
-from meshspeed.train.plan import RunPlan, make_plan
 from meshspeed.train.sparsity import build_sparsity
-from meshspeed.train.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

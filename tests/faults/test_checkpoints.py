@@ -20,10 +20,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.checkpoint import dcp as ckpt
+from meshspeed.checkpoint import manifest
+from meshspeed.checkpoint.dirs import prune
 from meshspeed.comm import checkpoint_io
-from meshspeed.train import checkpoint as ckpt
-from meshspeed.train import config, manifest
-from meshspeed.train.ckpt_dirs import prune
+from meshspeed.plan import config
 from meshspeed.train.job import prepare_run_dir
 from tests.faults.procs import FAST, env, metrics
 
@@ -306,7 +307,7 @@ def test_latest_with_nothing_verifying_says_so(tmp_path, solo):
     run = str(tmp_path / "run")
     path = ckpt.save_checkpoint(run, 1, _model(), None, solo)
     _flip(__import__("pathlib").Path(path) / "state.pt", 0)
-    from meshspeed.train.ckpt_dirs import newest_verified
+    from meshspeed.checkpoint.dirs import newest_verified
 
     found, skipped = newest_verified(run, solo)
     assert found is None and skipped[0][0] == path and "state.pt does not match its SHA-256" in skipped[0][1]

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import meshspeed.comm as comm_pkg
+from meshspeed.checkpoint.export import weight_masks
+from meshspeed.checkpoint.safetensors_io import read_safetensors
 from meshspeed.comm import placement
+from meshspeed.plan import config
 from meshspeed.sparse import SparseLinear
 from meshspeed.sparse.cuda import CompressedWeight
-from meshspeed.train import config
-from meshspeed.train.export import weight_masks
-from meshspeed.train.safetensors_io import read_safetensors
 from meshspeed.train.trainer import Trainer
 from tests import harness
 from tests.train.test_trainer import BASE  # the trainer tests' tiny float32 layout

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import signal
 
-from meshspeed.train import checkpoint as ckpt
-from meshspeed.train import manifest
+from meshspeed.checkpoint import dcp as ckpt
+from meshspeed.checkpoint import manifest
 from tests.faults.procs import FAST, metrics
 
 STEPS = 60

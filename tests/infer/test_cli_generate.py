@@ -8,7 +8,7 @@ import json
 import pytest
 
 from meshspeed.cli import main
-from tests.train.test_hf import make_hf
+from tests.interop.test_hf import make_hf
 
 pytest.importorskip("transformers")
 PROMPTS = ["hello", "a longer prompt here", "x"]
@@ -67,7 +67,7 @@ def test_needs_a_model(capsys):
 def test_meshspeed_checkpoint_equals_hf(hf_dir, tmp_path):
     """The same weights as a meshspeed checkpoint (convert --from-hf), loaded one process and
     resharded over tp 2, generate what the Hugging Face directory generates."""
-    from meshspeed.train.hf_io import convert_from_hf
+    from meshspeed.interop.hf_import import convert_from_hf
 
     ckpt = convert_from_hf(hf_dir, str(tmp_path / "ckpt"))
     want = run(hf_dir, tmp_path / "hf.json")
@@ -83,7 +83,7 @@ def test_meshspeed_checkpoint_equals_hf(hf_dir, tmp_path):
 def test_pipeline_generation_of_an_untied_model_equals_one_process(tmp_path):
     """tp 2 × pp 2 through the command line: each rank loads its stage's layers (its tp pieces of
     them) from a meshspeed checkpoint and the prompts flow through the stages."""
-    from meshspeed.train.hf_io import convert_from_hf
+    from meshspeed.interop.hf_import import convert_from_hf
 
     d = str(tmp_path / "llama")
     make_hf("llama", d, vocab_size=260)

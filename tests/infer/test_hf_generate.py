@@ -7,9 +7,9 @@ import torch
 
 from meshspeed import comm
 from meshspeed.infer import generate
+from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
 from meshspeed.parallel.materialize import build_parallel_model
-from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
-from tests.train.test_hf import make_hf
+from tests.interop.test_hf import make_hf
 
 transformers = pytest.importorskip("transformers")
 PROMPTS = [[5, 9, 2, 17], [7, 1, 4, 4, 8, 3, 11, 60], [30], [12, 13, 14, 15, 16]]

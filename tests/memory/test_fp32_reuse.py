@@ -15,7 +15,7 @@ import torch
 
 from meshspeed import cli
 from meshspeed.memory.fp32_reuse import decode, encode
-from meshspeed.train import config
+from meshspeed.plan import config
 from tests import harness
 from tests.memory.test_trainer_recompute import BASE
 

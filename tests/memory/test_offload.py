@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshspeed import cli
-from meshspeed.train import config
+from meshspeed.plan import config
 from tests import harness
 from tests.memory.test_fp32_reuse import BF16, LAYOUTS, assert_identical, check_resume_across, job_rows
 from tests.memory.test_trainer_recompute import BASE

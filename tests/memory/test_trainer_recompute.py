@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshspeed.train import config
-from meshspeed.train.plan import make_plan
+from meshspeed.plan import config
+from meshspeed.plan.run_plan import make_plan
 from tests import harness
 
 BASE = [

@@ -255,7 +255,7 @@ TRAIN_LAYOUTS = [
 
 
 def job_train_losses(ctx, run_dir: str, extra: list, steps: int) -> list[float]:
-    from meshspeed.train import config
+    from meshspeed.plan import config
     from meshspeed.train.trainer import Trainer
 
     cfg = config.load(None, TRAIN_BASE + [("run.dir", run_dir), ("train.steps", str(steps))] + extra)
@@ -282,8 +282,8 @@ def test_trainer_first_ten_losses_equal_single_process(tmp_path_factory, name, w
 
 
 def test_plan_refuses_bad_cp_layouts_in_one_line(tmp_path):
-    from meshspeed.train import config
-    from meshspeed.train.plan import make_plan
+    from meshspeed.plan import config
+    from meshspeed.plan.run_plan import make_plan
 
     for extra, world, words in [
         (
@@ -303,7 +303,7 @@ def test_plan_refuses_bad_cp_layouts_in_one_line(tmp_path):
 
 
 def job_run(ctx, run_dir: str, extra: list) -> str:
-    from meshspeed.train import config
+    from meshspeed.plan import config
     from meshspeed.train.trainer import Trainer
 
     return Trainer(config.load(None, TRAIN_BASE + [("run.dir", run_dir)] + extra), ctx).run()["checkpoint"]

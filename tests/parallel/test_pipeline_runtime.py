@@ -23,8 +23,8 @@ from meshspeed.parallel.optim import build_data_parallel
 from meshspeed.parallel.pipeline.runtime import PipelineRuntime
 from meshspeed.parallel.pipeline.split_backward import split_backward
 from meshspeed.parallel.pipeline.stage import build_stages, stage_layouts
-from meshspeed.train import config
-from meshspeed.train.plan import make_plan
+from meshspeed.plan import config
+from meshspeed.plan.run_plan import make_plan
 from meshspeed.train.trainer import Trainer
 from tests import harness
 

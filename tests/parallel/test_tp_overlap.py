@@ -202,7 +202,7 @@ def test_trainer_losses_with_overlap_equal_single_process(tmp_path):
     ],
 )
 def test_bad_overlap_settings_are_one_line_errors(extra, needle):
-    from meshspeed.train import config
+    from meshspeed.plan import config
 
     with pytest.raises(comm.ConfigError, match=needle) as err:
         config.validate(config.load(None, extra))

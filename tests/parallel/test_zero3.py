@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from meshspeed import comm
+from meshspeed.checkpoint.dcp import read_safetensors
 from meshspeed.comm import placement
 from meshspeed.models import build_model, cross_entropy_loss, get_preset, recipe_for
 from meshspeed.parallel.data import DataParallel
 from meshspeed.parallel.materialize import build_parallel_model
 from meshspeed.parallel.optim import build_data_parallel, clip_grad_norm_
 from meshspeed.parallel.tensor import model_loss
-from meshspeed.train import config
-from meshspeed.train.checkpoint import read_safetensors
-from meshspeed.train.plan import make_plan
+from meshspeed.plan import config
+from meshspeed.plan.run_plan import make_plan
 from meshspeed.train.trainer import Trainer
 from tests import harness
 from tests.train.test_trainer import _cfg, _losses, job_losses, job_run

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.checkpoint.dcp import CheckpointError
 from meshspeed.comm import ConfigError
 from meshspeed.comm.placement import full_tensor
 from meshspeed.parallel.optim import build_data_parallel
+from meshspeed.plan import config
 from meshspeed.sparse import is_nm, is_transposable_nm, mask_for
-from meshspeed.train import config
-from meshspeed.train.checkpoint import CheckpointError
-from meshspeed.train.sparsity_view import gather_mask
+from meshspeed.sparse.view import gather_mask
 from meshspeed.train.trainer import Trainer
 from tests import harness
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from meshspeed.comm import ConfigError
+from meshspeed.plan import config
 from meshspeed.sparse import is_nm
-from meshspeed.train import config
 from meshspeed.train.trainer import Trainer
 from tests import harness
 from tests.train.test_sparsity import _cfg, _full_masks, _rows, job_build_error, job_run

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from meshspeed.train import config
+from meshspeed.plan import config
 from meshspeed.train.trainer import Trainer
 from tests import cli_batch, harness
 

@@ -13,9 +13,9 @@ import torch
 
 from meshspeed import cli
 from meshspeed.comm import launch
-from meshspeed.train import data as data_mod
-from meshspeed.train.data import DataError, check_token_data
-from meshspeed.train.prepare import prepare_tokens
+from meshspeed.data import loader as data_mod
+from meshspeed.data.loader import DataError, check_token_data
+from meshspeed.data.prepare import prepare_tokens
 from tests import cli_batch
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "."]

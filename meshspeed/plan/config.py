@@ -15,7 +15,7 @@ from dataclasses import fields
 from typing import Any, get_type_hints
 
 from meshspeed.comm.errors import ConfigError
-from meshspeed.train.config_sections import (  # noqa: F401  (re-exported: callers use config.X)
+from meshspeed.plan.sections import (  # noqa: F401  (re-exported: callers use config.X)
     CheckpointSection,
     Config,
     DataSection,
@@ -201,7 +201,7 @@ def validate(cfg: Config) -> None:
             f"train.peak_tflops={t.peak_tflops} must be > 0 (TFLOP/s of one device), "
             "or 0 for the device table"
         )
-    from meshspeed.train.sparsity import sparsity_config
+    from meshspeed.plan.sparsity import sparsity_config
 
     # one-line ConfigError if invalid (also step-2 settings without a pattern)
     sparsity_config(cfg.sparsity, total_steps=t.steps, seed=t.seed)

@@ -15,8 +15,8 @@ from meshspeed import cli
 from meshspeed.comm import ConfigError, launch
 from meshspeed.models import get_preset, preset_names
 from meshspeed.models.flops import param_count
-from meshspeed.train import config
-from meshspeed.train.plan import make_plan
+from meshspeed.plan import config
+from meshspeed.plan.run_plan import make_plan
 
 SMALL = ["--train.seq_len", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]
 
@@ -252,7 +252,7 @@ def test_torchrun_bad_setting_is_one_line_from_one_rank(tmp_path):
 def test_dry_run_of_a_hugging_face_directory_counts_its_parameters(family, tmp_path, capsys, no_workers):
     """The plan's model is read from config.json; its parameter count is transformers' own."""
     pytest.importorskip("transformers")
-    from tests.train.test_hf import make_hf
+    from tests.interop.test_hf import make_hf
 
     model = make_hf(family, str(tmp_path / "hf"), vocab_size=256)  # the byte tokenizer fits
     args = ["--model.init_from", str(tmp_path / "hf"), "--nproc", "4", "--parallel.tp", "2"]

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from meshspeed import comm
+from meshspeed.checkpoint.safetensors_io import read_safetensors
 from meshspeed.cli import main
 from meshspeed.comm.errors import ConfigError
+from meshspeed.interop.hf_export import export_hf
+from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
 from meshspeed.models.hf import config_from_hf, interleaved_rows, to_interleaved, to_rotate_half
 from meshspeed.parallel.materialize import build_parallel_model
-from meshspeed.train.hf_export import export_hf
-from meshspeed.train.hf_io import HFCheckpoint, hf_recipe
-from meshspeed.train.safetensors_io import read_safetensors
 
 transformers = pytest.importorskip("transformers")
 

@@ -35,9 +35,9 @@ import sys
 from array import array
 
 from meshspeed.comm.errors import ConfigError
-from meshspeed.train.corpus import DEFAULT_MAX_MB, DEFAULT_VAL_FRACTION, DataError, split_files, stdlib_files
-from meshspeed.train.corpus import text_files as _text_files
-from meshspeed.train.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_digest
+from meshspeed.data.corpus import DEFAULT_MAX_MB, DEFAULT_VAL_FRACTION, DataError, split_files, stdlib_files
+from meshspeed.data.corpus import text_files as _text_files
+from meshspeed.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_digest
 
 FORMATS = {"uint16": 2, "uint32": 4}  # bytes per token
 ARRAY_CODES = {2: "H", 4: "I"}  # array typecodes of those widths

@@ -10,9 +10,9 @@ import torch
 
 from meshspeed.cli import main
 from meshspeed.commands import data as data_command
-from meshspeed.train import prepare
-from meshspeed.train.data import load_tokens
-from meshspeed.train.prepare import DataError, prepare_tokens, sidecar_path
+from meshspeed.data import prepare
+from meshspeed.data.loader import load_tokens
+from meshspeed.data.prepare import DataError, prepare_tokens, sidecar_path
 
 
 def _corpus(root):

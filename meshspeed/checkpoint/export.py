@@ -13,11 +13,11 @@ import os
 
 import torch
 
+from meshspeed.checkpoint.dirs import agree, fsync_write
+from meshspeed.checkpoint.safetensors_io import read_safetensors_header, write_safetensors
 from meshspeed.comm import placement
 from meshspeed.sparse.linear import SparseLinear
 from meshspeed.sparse.params import REGISTRY_ATTR
-from meshspeed.train.ckpt_dirs import agree, fsync_write
-from meshspeed.train.safetensors_io import read_safetensors_header, write_safetensors
 
 
 def weight_masks(model) -> dict[str, torch.Tensor]:

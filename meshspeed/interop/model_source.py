@@ -9,10 +9,10 @@ import os
 
 import torch
 
+from meshspeed.checkpoint.dcp import STATE
+from meshspeed.checkpoint.dirs import CheckpointError, resolve
 from meshspeed.comm.errors import ConfigError
 from meshspeed.models import ModelConfig, get_preset
-from meshspeed.train.checkpoint import STATE
-from meshspeed.train.ckpt_dirs import CheckpointError, resolve
 
 SIZE_OVERRIDES = ("n_layers", "dim", "n_heads", "n_kv_heads")
 

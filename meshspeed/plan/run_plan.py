@@ -25,16 +25,16 @@ import torch
 
 from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.comm.placement import chunk_sizes, sharding_of
+from meshspeed.data.loader import accumulation_steps
+from meshspeed.interop.model_source import preset_config
 from meshspeed.models import ModelConfig, recipe_for
 from meshspeed.models.hf import check_exportable
 from meshspeed.parallel.context import check_cp
 from meshspeed.parallel.tensor import check_tp, parallelize
 from meshspeed.parallel.zero3 import check_zero3
-from meshspeed.train import config as config_mod
-from meshspeed.train.data import accumulation_steps
-from meshspeed.train.estimate import estimate_memory
-from meshspeed.train.experts import apply_expert_parallel, check_experts, with_moe_settings
-from meshspeed.train.model_source import preset_config
+from meshspeed.plan import config as config_mod
+from meshspeed.plan.estimate import estimate_memory
+from meshspeed.plan.experts import apply_expert_parallel, check_experts, with_moe_settings
 
 
 @dataclass
@@ -99,7 +99,7 @@ def resolve_layout(cfg, world_size: int) -> tuple[ParallelDims, int]:
 def _model(cfg):
     """(ModelConfig, recipe, checkpoint to load weights from or None)."""
     if cfg.model.init_from:
-        from meshspeed.train.hf_io import init_from
+        from meshspeed.interop.hf_import import init_from
 
         return init_from(cfg)
     config = preset_config(cfg.model.preset, cfg.model.overrides(), cfg.train.seq_len)
@@ -166,8 +166,8 @@ def _check_run_dir(cfg) -> None:
 
 
 def _check_data(cfg, config: ModelConfig) -> None:
-    from meshspeed.train.data import check_token_data
-    from meshspeed.train.tokenizer import check_vocab, load_tokenizer
+    from meshspeed.data.loader import check_token_data
+    from meshspeed.data.tokenizer import check_vocab, load_tokenizer
 
     d = cfg.data
     if d.path and not os.path.exists(d.path):
@@ -270,7 +270,7 @@ def world_size(cfg) -> int:
 def make_plan(cfg, world_size: int, *, ranks: bool = True) -> RunPlan:
     """Resolve and check the whole run for `world_size` ranks. `ranks=False` skips the per-rank
     table (a worker that was handed no plan needs only the layout and the model)."""
-    from meshspeed.train.pipeline import check as check_pipeline
+    from meshspeed.plan.schedule import check as check_pipeline
 
     config_mod.validate(cfg)
     _check_run_dir(cfg)

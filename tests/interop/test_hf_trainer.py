@@ -12,7 +12,7 @@ import torch
 
 from meshspeed import comm
 from meshspeed.comm.errors import ConfigError
-from meshspeed.train import config
+from meshspeed.plan import config
 from meshspeed.train.trainer import Trainer
 from tests import harness
 
@@ -38,7 +38,7 @@ def _cfg(run_dir: str, extra: list) -> config.Config:
 
 def job_first_loss(ctx, run_dir: str, extra: list):
     """(first loss, elements this rank read from the Hugging Face files)."""
-    from meshspeed.train.hf_io import HFCheckpoint
+    from meshspeed.interop.hf_import import HFCheckpoint
 
     read, orig = [], HFCheckpoint.read
 
@@ -104,7 +104,7 @@ def test_init_from_first_loss_equals_one_process(tmp_path, hf_models, family, na
 
 
 def job_export(ctx, run_dir: str, extra: list, out: str):
-    from meshspeed.train.hf_export import export_hf
+    from meshspeed.interop.hf_export import export_hf
 
     trainer = Trainer(_cfg(run_dir, extra), ctx)
     return export_hf(trainer.model, trainer.mesh, out, trainer.model_config, max_shard_bytes=40_000)
@@ -113,7 +113,7 @@ def job_export(ctx, run_dir: str, extra: list, out: str):
 def test_round_trip_through_pipeline_stages_is_exact(tmp_path, hf_models):
     """Read as pieces by each rank, written back per stage (shard numbers agreed across stages):
     every tensor bit for bit. (Under tp, test_sparse_tp_run_exports_what_it_computes.)"""
-    from meshspeed.train.safetensors_io import read_safetensors
+    from meshspeed.checkpoint.safetensors_io import read_safetensors
 
     src, out = hf_models["mixtral"], str(tmp_path / "out")
     files = harness.run(
@@ -135,7 +135,7 @@ def test_round_trip_through_pipeline_stages_is_exact(tmp_path, hf_models):
 
 def test_init_from_a_converted_checkpoint_under_tp2(tmp_path, hf_models):
     """`convert --from-hf` then `--model.init_from RUN_DIR`: the same start as from the directory."""
-    from meshspeed.train.hf_io import convert_from_hf
+    from meshspeed.interop.hf_import import convert_from_hf
 
     conv = str(tmp_path / "conv")
     convert_from_hf(hf_models["llama"], conv)
@@ -171,8 +171,8 @@ def word_data(tmp_path_factory):
 
 
 def test_text_is_tokenized_with_a_hf_tokenizer(word_data):
-    from meshspeed.train.data import load_tokens
-    from meshspeed.train.tokenizer import load_tokenizer
+    from meshspeed.data.loader import load_tokens
+    from meshspeed.data.tokenizer import load_tokenizer
 
     text, tok_dir = word_data
     tok = load_tokenizer(tok_dir)
@@ -209,8 +209,8 @@ def test_sparse_tp_run_exports_what_it_computes(tmp_path, hf_models, word_data):
     checkpoint writes the same tensors."""
     import transformers
 
+    from meshspeed.checkpoint.safetensors_io import read_safetensors
     from meshspeed.cli import main
-    from meshspeed.train.safetensors_io import read_safetensors
 
     run, x = str(tmp_path / "run"), torch.randint(0, 22, (1, 16), generator=torch.Generator().manual_seed(1))
     got = harness.run(

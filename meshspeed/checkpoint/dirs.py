@@ -1,6 +1,6 @@
 """Checkpoint directories: naming, atomic publish, pruning, cross-rank agreement, run directories.
 
-The file-system half of meshspeed.train.checkpoint (which decides what goes in): a checkpoint
+The file-system half of meshspeed.checkpoint.dcp (which decides what goes in): a checkpoint
 is `run_dir/step-NNNNNN/`, complete only once it holds COMPLETE (and MANIFEST.json, see
 manifest.py); saves go to `.tmp-<nonce>` and are renamed into place, so a crash never leaves a
 half-written "latest".
@@ -17,9 +17,9 @@ import sys
 import torch
 
 from meshspeed import comm
+from meshspeed.checkpoint.manifest import quick_check, verify
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
-from meshspeed.train.manifest import quick_check, verify
 
 COMPLETE = "COMPLETE"  # a step-N directory without it is not a checkpoint
 _STEP_RE = re.compile(r"^step-(\d+)$")

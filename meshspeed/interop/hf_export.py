@@ -22,13 +22,13 @@ import shutil
 import torch
 
 from meshspeed import comm
+from meshspeed.checkpoint.dirs import agree, fsync_write
+from meshspeed.checkpoint.safetensors_io import read_safetensors_header, write_safetensors
 from meshspeed.comm import placement
 from meshspeed.comm.errors import ConfigError
+from meshspeed.interop.model_source import checkpoint_model_config, checkpoint_state
 from meshspeed.models import ModelConfig
 from meshspeed.models.hf import config_to_hf, hf_tensors, to_hf
-from meshspeed.train.ckpt_dirs import agree, fsync_write
-from meshspeed.train.model_source import checkpoint_model_config, checkpoint_state
-from meshspeed.train.safetensors_io import read_safetensors_header, write_safetensors
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -67,7 +67,7 @@ def export_hf(
     Hugging Face directory `out`; returns the files written. `dtype` casts floating weights
     (default: as trained). `hf_extra`: an imported config.json whose token ids are kept.
     `masks`: {weight FQN: sparsity mask}, default the model's sparse layers' own."""
-    from meshspeed.train.export import weight_masks  # masks as the safetensors export finds them
+    from meshspeed.checkpoint.export import weight_masks  # masks as the safetensors export finds them
 
     sources = hf_tensors(config)
     config_json = config_to_hf(config, dtype or next(model.parameters()).dtype, hf_extra)  # refuses early
@@ -169,11 +169,11 @@ def export_checkpoint(
 ) -> list[str]:
     """`meshspeed convert --checkpoint DIR --to-hf OUT`, in one process: build the model with no
     init (its values come from the checkpoint), load weights and sparsity masks, export."""
+    from meshspeed.checkpoint.dcp import load_checkpoint
     from meshspeed.comm.checkpoint_io import saved_tensors
+    from meshspeed.data.tokenizer import load_tokenizer
     from meshspeed.models import recipe_for
     from meshspeed.parallel.materialize import build_parallel_model
-    from meshspeed.train.checkpoint import load_checkpoint
-    from meshspeed.train.tokenizer import load_tokenizer
 
     config = checkpoint_model_config(path)
     resolved, state = checkpoint_state(path)

@@ -42,11 +42,8 @@ import warnings
 import torch
 
 from meshspeed import comm
-from meshspeed.comm import ConfigError
-from meshspeed.comm import checkpoint_io as io
-from meshspeed.comm.errors import echo
-from meshspeed.train import manifest
-from meshspeed.train.ckpt_dirs import (
+from meshspeed.checkpoint import manifest
+from meshspeed.checkpoint.dirs import (
     COMPLETE,
     CheckpointError,
     agree,
@@ -61,7 +58,8 @@ from meshspeed.train.ckpt_dirs import (
     shared_nonce,
     torch_save,
 )
-from meshspeed.train.ckpt_tensors import (
+from meshspeed.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from meshspeed.checkpoint.tensors import (
     buffer_specs,
     check_buffers,
     check_params,
@@ -69,7 +67,9 @@ from meshspeed.train.ckpt_tensors import (
     optimizer_tensors,
     param_specs,
 )
-from meshspeed.train.safetensors_io import read_safetensors, write_safetensors
+from meshspeed.comm import ConfigError
+from meshspeed.comm import checkpoint_io as io
+from meshspeed.comm.errors import echo
 
 FORMAT = "meshspeed-checkpoint/1"
 META, STATE, RNG_DIR = "meta.json", "state.pt", "rng"

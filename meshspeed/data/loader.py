@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from meshspeed.train.corpus import (  # noqa: F401
+from meshspeed.data.corpus import (  # noqa: F401
     DEFAULT_MAX_MB,
     DEFAULT_VAL_FRACTION,
     FORMATS,
@@ -37,7 +37,7 @@ from meshspeed.train.corpus import (  # noqa: F401
     load_corpus,
     read_sidecar,
 )
-from meshspeed.train.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_digest
+from meshspeed.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_digest
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs [micro, seq], targets [micro, seq]) int64
 

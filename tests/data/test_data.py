@@ -6,8 +6,8 @@ from array import array
 import pytest
 import torch
 
-from meshspeed.train import corpus as corpus_mod
-from meshspeed.train.data import (
+from meshspeed.data import corpus as corpus_mod
+from meshspeed.data.loader import (
     ByteTokenizer,
     DataError,
     GlobalBatchLoader,

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from meshspeed.cli import main
-from meshspeed.train import config as config_mod
-from meshspeed.train.data import load_corpus, load_tokens
-from meshspeed.train.prepare import DataError, prepare_tokens, sidecar_path
-from meshspeed.train.tokenizer import load_tokenizer
+from meshspeed.data.loader import load_corpus, load_tokens
+from meshspeed.data.prepare import DataError, prepare_tokens, sidecar_path
+from meshspeed.data.tokenizer import load_tokenizer
+from meshspeed.plan import config as config_mod
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

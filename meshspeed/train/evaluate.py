@@ -29,9 +29,9 @@ RECORDED = ("parallel", "train", "data")
 def eval_overrides(checkpoint: str) -> list[tuple[str, str]]:
     """The recorded run's settings as `section.key` overrides (empty for a checkpoint that
     records none, e.g. one written by `meshspeed convert`)."""
-    from meshspeed.train.ckpt_dirs import CheckpointError
-    from meshspeed.train.hf_io import is_hf_dir
-    from meshspeed.train.model_source import checkpoint_state
+    from meshspeed.checkpoint.dirs import CheckpointError
+    from meshspeed.interop.hf_import import is_hf_dir
+    from meshspeed.interop.model_source import checkpoint_state
 
     if is_hf_dir(checkpoint):
         return []
@@ -52,7 +52,7 @@ def eval_overrides(checkpoint: str) -> list[tuple[str, str]]:
 def eval_config(checkpoint: str, config_file: str | None, overrides: list[tuple[str, str]]):
     """The Config to evaluate with: recorded settings < --config file < command-line overrides,
     the weights from `checkpoint`, one step's worth of scratch state in a temporary run.dir."""
-    from meshspeed.train import config
+    from meshspeed.plan import config
 
     scratch = tempfile.mkdtemp(prefix="meshspeed-eval-")
     fixed = [
@@ -71,8 +71,8 @@ def eval_config(checkpoint: str, config_file: str | None, overrides: list[tuple[
 def worker(plan_dict: dict, out_json: str | None) -> None:
     """Every rank: build the model the plan says, load the weights, run the validation; rank 0
     prints (and writes `out_json`)."""
+    from meshspeed.plan.run_plan import RunPlan
     from meshspeed.train.job import from_dict
-    from meshspeed.train.plan import RunPlan
     from meshspeed.train.trainer import Trainer
 
     plan = RunPlan.from_dict(plan_dict)

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.checkpoint import dcp as ckpt
+from meshspeed.checkpoint.export import export_safetensors
+from meshspeed.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from meshspeed.comm import placement
 from meshspeed.models import Transformer, get_preset, init_weights
-from meshspeed.train import checkpoint as ckpt
-from meshspeed.train.export import export_safetensors
-from meshspeed.train.safetensors_io import read_safetensors, write_safetensors
 from tests import harness
 
 # (FQN suffix, dim) of tensor-parallel shards; the odd sizes give uneven and empty shards.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from meshspeed.checkpoint.dirs import CheckpointError
 from meshspeed.comm import placement
 from meshspeed.comm.placement import Sharding
-from meshspeed.train.ckpt_dirs import CheckpointError
 
 
 def param_specs(model, mesh) -> tuple[dict, dict[str, Sharding]]:

@@ -18,13 +18,13 @@ import os
 
 import torch
 
+from meshspeed.checkpoint.safetensors_io import open_safetensors, read_safetensors_header
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.recipe import Recipe
+from meshspeed.interop.model_source import checkpoint_model_config
 from meshspeed.models import ModelConfig, recipe_for
 from meshspeed.models.hf import HFTensor, config_from_hf, hf_tensors, interleaved_rows
 from meshspeed.models.init import canonical_name
-from meshspeed.train.model_source import checkpoint_model_config
-from meshspeed.train.safetensors_io import open_safetensors, read_safetensors_header
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -224,8 +224,8 @@ def convert_from_hf(path: str, out: str, dtype: torch.dtype = torch.float32) -> 
     same init source as training) and save it as meshspeed checkpoint `out/step-000000`, with
     the model config and the original config.json recorded. Returns the checkpoint's path."""
     from meshspeed import comm
+    from meshspeed.checkpoint.dcp import save_checkpoint
     from meshspeed.parallel.materialize import build_parallel_model
-    from meshspeed.train.checkpoint import save_checkpoint
 
     ckpt = HFCheckpoint(path)
     ctx = comm.init()
