@@ -1,5 +1,5 @@
-"""Checkpoints: atomic, resharding, resumable (directories in ckpt_dirs.py, the tensor mapping in
-ckpt_tensors.py, safetensors export in export.py).
+"""Checkpoints: atomic, resharding, resumable (directories in dirs.py, the tensor mapping in
+tensors.py, safetensors export in export.py).
 
 A checkpoint is a directory `run_dir/step-000100/`:
 

@@ -1,6 +1,6 @@
 """Export the full (unsharded) model to safetensors, from any parallel layout.
 
-Split from checkpoint.py: it shares the checkpoint's parameter specs and its all-ranks-agree
+Beside dcp.py: it shares the checkpoint's parameter specs and its all-ranks-agree
 error handling, but it is a one-way export for other tools (Hugging Face style), not resume
 state.
 """

@@ -1,6 +1,6 @@
 """A checkpoint's tensors: the model and optimizer state of one rank mapped to the named,
 sharded tensors DCP writes and reads ("model.<fqn>", "optim.<fqn>.<name>"), and the checks
-that a checkpoint's tensors fit the model loading it. Split from checkpoint.py, which holds the
+that a checkpoint's tensors fit the model loading it. dcp.py holds the
 protocol around them (atomic directories, manifests, RNG, plain-data state).
 
 Shapes are compared as full (unsplit) shapes: the Sharding tag of a split tensor

@@ -121,7 +121,7 @@ def _check_finite(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks of the settings alone; the run plan (train/plan.py) checks them against the world
+    """Checks of the settings alone; the run plan (plan/run_plan.py) checks them against the world
     size, the model and the data."""
     _check_finite(cfg)
     t, p, c = cfg.train, cfg.parallel, cfg.checkpoint

@@ -1,6 +1,6 @@
 """One training run as a job: the run directory's policy, the per-rank entry point, the summary.
 
-Split from trainer.py (which is the loop itself): what happens around the loop when the CLI
+Beside trainer.py (which is the loop itself): what happens around the loop when the CLI
 runs it, on a laptop (meshspeed's launcher) or under torchrun.
 
 - A new run never mixes its outputs with an earlier run's: a run.dir holding checkpoints or
@@ -105,7 +105,7 @@ def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
 
 def worker(plan_dict: dict, prepared: bool = False) -> None:
     """Runs on every rank (spawned by `meshspeed train` or under torchrun), given the run plan
-    (train/plan.py) as plain data. `prepared`: the launcher already applied the run-directory
+    (plan/run_plan.py) as plain data. `prepared`: the launcher already applied the run-directory
     policy."""
     from meshspeed.plan.run_plan import RunPlan
     from meshspeed.train.trainer import Trainer
@@ -117,7 +117,7 @@ def worker(plan_dict: dict, prepared: bool = False) -> None:
             prepare_run_dir(cfg, lead=os.environ.get("RANK", "0") == "0")
         except comm.ConfigError as err:
             raise echo(err, os.environ.get("RANK", "0") != "0")  # the same on every rank
-    ctx = comm.init(timeout_s=cfg.run.timeout or None)
+    ctx = comm.init(timeout_s=cfg.run.timeout or None, device=plan.device)  # the plan's choice
     trainer = Trainer(cfg, ctx, plan)
     summary = trainer.run()
     if trainer.lead:

@@ -69,11 +69,13 @@ def packed_documents(x: torch.Tensor, eot: int | None) -> torch.Tensor:
 
 class Trainer:
     def __init__(self, cfg: config_mod.Config, ctx: comm.CommContext, plan: RunPlan | None = None):
-        """`plan`: the run plan the launcher resolved (train/plan.py); made here, for this world
+        """`plan`: the run plan the launcher resolved (plan/run_plan.py); made here, for this world
         size, when the trainer is used as a library without one."""
         self.cfg, self.ctx = cfg, ctx
         t, p = cfg.train, cfg.parallel
         self.plan = plan if plan is not None else make_plan(cfg, ctx.world_size, ranks=False)
+        if plan is None:  # the caller's comm.init chose the device: meta.json records that one
+            self.plan.device, self.plan.device_info["backend"] = ctx.device.type, ctx.backend
         if self.plan.world_size != ctx.world_size:
             raise ConfigError(
                 f"the run plan is for {self.plan.world_size} ranks but {ctx.world_size} joined the job"
@@ -185,7 +187,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------
     def _resume(self, which: str) -> int:
-        """Load the checkpoint `which` names ('latest', 'auto' or a path: ckpt_dirs.resume_path)
+        """Load the checkpoint `which` names ('latest', 'auto' or a path: checkpoint.dirs.resume_path)
         and return its step (0: 'auto' found none)."""
         path, verified = resume_path(which, self.cfg.run.dir, self.mesh, self.lead)
         if path is None:

@@ -128,7 +128,13 @@ OWNED = [
         "trace.py",
         "protocols.py",
     )
-] + ["meshspeed/train/" + f for f in ("ckpt_dirs.py", "metrics.py", "config.py", "manifest.py", "job.py")]
+] + [
+    "meshspeed/checkpoint/dirs.py",
+    "meshspeed/checkpoint/manifest.py",
+    "meshspeed/plan/config.py",
+    "meshspeed/train/metrics.py",
+    "meshspeed/train/job.py",
+]
 
 
 @pytest.mark.parametrize("path", OWNED)
