@@ -9,6 +9,8 @@ Prefill time: a generate of one new token (transformers) / meshspeed's measured 
 Decode time: (full generate - prefill) for transformers / meshspeed's measured decode loop.
 Rounds alternate the order (A B B A); reported: median tokens/s over rounds and the ratio
 meshspeed / transformers (> 1: meshspeed faster). CPU by default, CUDA with --device cuda.
+
+    python -m benchmarks.generate [--hidden 256] [--layers 4] [--batch 8] [--new 32] [--device cuda]
 """
 
 from __future__ import annotations

@@ -14,29 +14,24 @@ its time is the slowest rank's, the median of --steps after one warmup.
 - CUDA: torch's async tensor parallelism (symmetric memory, micro-pipeline TP) needs CUDA;
   without a GPU it is reported as not run.
 
-    python benchmarks/tp_overlap.py [--tp 4] [--dim 512] [--seq 256] [--batch 4]
+    python -m benchmarks.tp_overlap [--tp 4] [--dim 512] [--seq 256] [--batch 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import meshspeed.comm.collectives as C  # noqa: E402
-from meshspeed import comm  # noqa: E402
-from meshspeed.comm import group as group_mod  # noqa: E402
-from meshspeed.models import build_model, get_preset, recipe_for  # noqa: E402
-from meshspeed.parallel.tensor import ColumnParallelLinear, model_loss, parallelize, set_tp_overlap  # noqa: E402
-from meshspeed.parallel.tp_overlap import default_chunks  # noqa: E402
+import meshspeed.comm.collectives as C
+from benchmarks.harness import emit, slowest, spawn_collect
+from meshspeed import comm
+from meshspeed.comm import group as group_mod
+from meshspeed.models import build_model, get_preset, recipe_for
+from meshspeed.parallel.tensor import ColumnParallelLinear, model_loss, parallelize, set_tp_overlap
+from meshspeed.parallel.tp_overlap import default_chunks
 
 
 class Blocked:
@@ -69,11 +64,7 @@ def install(blocked: Blocked) -> None:
     group_mod.Handle.wait = blocked.wrap(group_mod.Handle.wait)
 
 
-def step_max(ctx, seconds: float) -> float:
-    return comm.all_reduce(torch.tensor([seconds], dtype=torch.float64), ctx.world, op="max").item()
-
-
-def worker(args, out_path: str) -> None:
+def worker(args, out: str) -> None:
     torch.set_num_threads(1)
     ctx = comm.init("gloo", timeout_s=600)
     blocked = Blocked()
@@ -113,14 +104,13 @@ def worker(args, out_path: str) -> None:
             loss.backward()
             dt = time.perf_counter() - t0
             if i:  # the first step warms up
-                times.append(step_max(ctx, dt))
-                waits.append(step_max(ctx, blocked.seconds))
+                times.append(slowest(ctx, dt))
+                waits.append(slowest(ctx, blocked.seconds))
         losses[name] = loss.item()
         res["time"][name], res["blocked"][name] = statistics.median(times), statistics.median(waits)
     res["loss_spread"] = max(losses.values()) - min(losses.values())
     if ctx.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(res, f)
+        emit(out, res)
 
 
 def report(res: dict) -> None:
@@ -152,13 +142,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--chunks", type=int, nargs="*", default=[2, 4])
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "res.json")
-        rc = comm.spawn(worker, args.tp, (args, out))
-        if rc:
-            sys.exit(rc)
-        with open(out) as f:
-            report(json.load(f))
+    report(spawn_collect(worker, args.tp, args, name="tp_overlap"))
 
 
 if __name__ == "__main__":
