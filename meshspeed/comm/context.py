@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -26,6 +27,74 @@ DEFAULT_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0
 # Leaving the job: rank 0 may still be writing its plot or export while the others wait.
 CLOSE_TIMEOUT_S = 120.0
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def local_gpus() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); 0 without CUDA. Counting
+    creates no CUDA context, so a launcher that counts before it spawns leaves the GPUs whole to
+    its workers."""
+    return torch.cuda.device_count()
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """Where the ranks of one node run, decided before any of them starts."""
+
+    device: str  # "cpu" | "cuda" (local rank r on cuda:r)
+    backend: str  # "gloo" | "nccl"
+    local_ranks: int
+    local_gpus: int
+    why: str  # a phrase for --dry-run
+    notice: str = ""  # auto chose the CPU although GPUs are there: the one line saying what to type
+
+
+def choose_device(
+    requested: str, local_ranks: int, gpus: int, *, key: str = "run.device", fix: str = ""
+) -> DeviceChoice:
+    """`requested` (auto | cpu | cuda) for `local_ranks` ranks on a node with `gpus` GPUs.
+
+    auto takes CUDA only when every local rank gets a GPU of its own: ranks sharing a device
+    under NCCL fail ("invalid device ordinal", or NCCL refusing two ranks on one GPU). Fewer
+    GPUs than ranks runs the job on the CPU, with a notice naming `fix` (what to type to use
+    the GPUs: "add --nproc 1"); cuda with fewer GPUs is one ConfigError line naming both numbers."""
+    if requested not in DEVICES:
+        raise ConfigError(f"{key}={requested!r} is not valid; choose one of {', '.join(DEVICES)}")
+    have = f"{gpus} GPU{'s' if gpus != 1 else ''}"
+    if requested == "cpu":
+        return DeviceChoice("cpu", "gloo", local_ranks, gpus, f"{key}=cpu")
+    if 0 < local_ranks <= gpus:
+        why = f"one GPU per local rank ({local_ranks} of {have})"
+        return DeviceChoice("cuda", "nccl", local_ranks, gpus, why)
+    fix = fix or f"run {gpus} local rank{'s' if gpus != 1 else ''}"
+    if requested == "cuda":
+        seen = f"{have} visible" if gpus else "no GPU visible (torch.cuda.device_count() is 0)"
+        alt = f"{fix}, or set {key} cpu" if gpus else f"set {key} cpu or auto"
+        raise ConfigError(f"{key}=cuda needs a GPU per local rank: {local_ranks} local ranks, {seen}; {alt}")
+    if gpus == 0:
+        return DeviceChoice("cpu", "gloo", local_ranks, gpus, "no GPU visible")
+    return DeviceChoice(
+        "cpu",
+        "gloo",
+        local_ranks,
+        gpus,
+        f"{local_ranks} local ranks, {have}: too few to give each rank its own",
+        f"{key}=auto: {local_ranks} local ranks but {have}, so this job runs on the CPU (gloo); "
+        f"to use the GPU{'s' if gpus != 1 else ''}, {fix}",
+    )
+
+
+def fit_degrees(gpus: int, degrees: dict[str, int]) -> dict[str, int]:
+    """`degrees` (in order of preference) kept while their product divides `gpus`, the others 1:
+    a layout to suggest for the GPUs a node has."""
+    out, product = {}, 1
+    for name, d in degrees.items():
+        keep = d > 1 and gpus % (product * d) == 0
+        out[name] = d if keep else 1
+        product *= out[name]
+    return out
 
 
 def _env_float(name: str, default: float) -> float:
@@ -246,6 +315,7 @@ def init(
     timeout_s: float | None = None,
     debug: bool | None = None,
     ranks_per_node: int | None = None,
+    device: str = "auto",
 ) -> CommContext:
     """Join the job described by the environment (torchrun's or meshspeed spawn's variables).
 
@@ -254,14 +324,21 @@ def init(
     (default 300); start-up (waiting for every worker to join): MESHSPEED_START_TIMEOUT
     (default 300, never less than the timeout); debug desync checks: MESHSPEED_DEBUG=1; ranks
     per node: MESHSPEED_RANKS_PER_NODE, else the launcher's LOCAL_WORLD_SIZE.
+    device: auto | cpu | cuda (choose_device over this node's LOCAL_WORLD_SIZE ranks; the run plan
+    passes the choice it made before spawning). The backend follows it (nccl on CUDA, gloo on
+    CPU) unless `backend` or MESHSPEED_BACKEND names one; nccl puts this rank on cuda:LOCAL_RANK.
     """
     if timeout_s is not None and not timeout_s > 0:
         raise ConfigError(f"timeout_s={timeout_s!r} must be > 0 seconds; e.g. 60")
     timeout_s = timeout_s if timeout_s is not None else _env_float("MESHSPEED_TIMEOUT", DEFAULT_TIMEOUT_S)
     start_s = max(timeout_s, _env_float("MESHSPEED_START_TIMEOUT", START_TIMEOUT_S))
     debug = debug if debug is not None else _env_flag("MESHSPEED_DEBUG")
-    cuda = torch.cuda.is_available()
-    backend = backend or os.environ.get("MESHSPEED_BACKEND") or ("nccl" if cuda else "gloo")
+    if not backend and not os.environ.get("MESHSPEED_BACKEND"):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched() else 1
+        backend = choose_device(device, local, local_gpus(), key="device").backend
+    backend = backend or os.environ["MESHSPEED_BACKEND"]
+    if backend == "nccl" and not dist.is_initialized():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if launched() else 1
     rank, store, backend_timeout_s = 0, None, None
     if world_size > 1:
@@ -269,8 +346,6 @@ def init(
             store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=start_s)))
             store = _elastic_store(store)
             _start_barrier(store, world_size, start_s)
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             # The backend enforces the same timeout as meshspeed, on this group and on every
             # group made later (see CommContext.split and Mesh), so the fast path can wait
             # without one; either way the timeout is diagnosed by meshspeed (names the missing

@@ -57,6 +57,9 @@ def run(args) -> int:
         if not quiet:
             print(f"meshspeed eval: {err}", file=sys.stderr)
         return 2
+    if not quiet:
+        for w in plan.warnings:  # the device choice's notice among them
+            print(f"meshspeed eval: warning: {w}", file=sys.stderr, flush=True)
     if launched():
         return launch.run_worker(worker, (plan.to_dict(), args.json))
     return launch.spawn(worker, cfg.nproc, (plan.to_dict(), args.json))

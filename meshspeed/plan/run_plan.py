@@ -33,6 +33,7 @@ from meshspeed.parallel.context import check_cp
 from meshspeed.parallel.tensor import check_tp, parallelize
 from meshspeed.parallel.zero3 import check_zero3
 from meshspeed.plan import config as config_mod
+from meshspeed.plan.device import plan_device
 from meshspeed.plan.estimate import estimate_memory
 from meshspeed.plan.experts import apply_expert_parallel, check_experts, with_moe_settings
 
@@ -53,6 +54,8 @@ class RunPlan:
     total_params: int = 0
     ranks: list = field(default_factory=list)  # per rank: rank, coords, params, memory
     warnings: list = field(default_factory=list)
+    device: str = "cpu"  # cpu | cuda: run.device resolved for this node's GPUs (workers follow it)
+    device_info: dict = field(default_factory=dict)  # backend, local_ranks, local_gpus, why
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(**self.model)
@@ -104,6 +107,12 @@ def _model(cfg):
         return init_from(cfg)
     config = preset_config(cfg.model.preset, cfg.model.overrides(), cfg.train.seq_len)
     return config, recipe_for(config), None
+
+
+def resolve_model(cfg):
+    """(ModelConfig with the [moe] settings applied, recipe): the model a plan is made for."""
+    config, recipe, _ = _model(cfg)
+    return with_moe_settings(cfg, config), recipe
 
 
 def _check_model(cfg, config: ModelConfig, recipe) -> None:
@@ -225,9 +234,9 @@ def _owner(fqn: str, units) -> tuple[str, int | None]:
     return "other", None
 
 
-def rank_params(recipe, dims: ParallelDims, layouts, cfg) -> tuple[int, list[int]]:
+def rank_params(recipe, dims: ParallelDims, layouts, cfg, only=None) -> tuple[int, list[int]]:
     """(the model's parameters, those each rank holds: tied ones once per rank), from one meta
-    build."""
+    build. `only`: count just these ranks (the others read 0; the planner's representatives)."""
     with torch.device("meta"):
         model = recipe.build()
     total = sum(p.numel() for p in model.parameters())
@@ -237,6 +246,9 @@ def rank_params(recipe, dims: ParallelDims, layouts, cfg) -> tuple[int, list[int
     params = list(model.named_parameters(remove_duplicate=False))
     out = []
     for rank in range(dims.world_size):
+        if only is not None and rank not in only:
+            out.append(0)
+            continue
         coords = dims.coords(rank)
         mine = [s for s in layouts if s.rank == coords["pp"]] if layouts else None
         layers = {i for s in mine for i in s.layers} if mine is not None else None
@@ -267,14 +279,23 @@ def world_size(cfg) -> int:
     return int(os.environ.get("WORLD_SIZE", cfg.nproc)) if launched() else cfg.nproc
 
 
-def make_plan(cfg, world_size: int, *, ranks: bool = True) -> RunPlan:
+def make_plan(
+    cfg,
+    world_size: int,
+    *,
+    ranks: bool = True,
+    local_gpus: int | None = None,
+    local_ranks: int | None = None,
+) -> RunPlan:
     """Resolve and check the whole run for `world_size` ranks. `ranks=False` skips the per-rank
-    table (a worker that was handed no plan needs only the layout and the model)."""
+    table (a worker that was handed no plan needs only the layout and the model). `local_gpus`,
+    `local_ranks`: this node's GPUs and ranks for the device choice (default: counted here)."""
     from meshspeed.plan.schedule import check as check_pipeline
 
     config_mod.validate(cfg)
     _check_run_dir(cfg)
     dims, microbatches = resolve_layout(cfg, world_size)
+    device = plan_device(cfg, world_size, local_gpus, local_ranks)
     config, recipe, weights = _model(cfg)
     config = with_moe_settings(cfg, config)
     _check_model(cfg, config, recipe)
@@ -290,7 +311,16 @@ def make_plan(cfg, world_size: int, *, ranks: bool = True) -> RunPlan:
         stages=[dataclasses.asdict(s) for s in layouts],
         bubble=float(sim.bubble) if sim else 0.0,
         peak_microbatches=list(sim.peak_activations) if sim else [],
+        device=device.device,
+        device_info={
+            "backend": device.backend,
+            "local_ranks": device.local_ranks,
+            "local_gpus": device.local_gpus,
+            "why": device.why,
+        },
     )
+    if device.notice:
+        plan.warnings.append(device.notice)
     p = cfg.parallel
     if p.pp > 1 and microbatches < p.pp:
         plan.warnings.append(
@@ -348,6 +378,8 @@ def describe(plan: RunPlan) -> str:
         f"  model        {m['n_layers']} layers, dim {m['dim']}, heads {m['n_heads']}/{m['n_kv_heads']} kv, "
         f"vocab {m['vocab_size']}"
         + (f", {m['n_experts']} experts top {m['top_k']}" if m["n_experts"] else ""),
+        f"  device       {plan.device} ({plan.device_info.get('backend', 'gloo')}): "
+        f"{plan.device_info.get('why', '')}",
         f"  batch        {t['global_batch_size']} sequences × {t['seq_len']} tokens per step; "
         f"{plan.microbatches} micro-batch(es) of {t['micro_batch_size']} per rank",
     ]

@@ -159,6 +159,13 @@ class DataSection:
 @dataclass
 class RunSection:
     dir: str = opt("runs/tiny", "where metrics.jsonl, plots and checkpoints go")
+    device: str = opt(
+        "auto",
+        "where the workers run: auto (CUDA with nccl when every local rank gets a GPU of its own, "
+        "else the CPU with gloo and one line saying what to type to use the GPUs), cpu, or cuda "
+        "(refused before any worker starts when the GPUs are fewer than the local ranks)",
+        choices=("auto", "cpu", "cuda"),
+    )
     log_interval: int = opt(10, "steps between progress lines when the output is not a terminal")
     timeout: float = opt(
         0.0,

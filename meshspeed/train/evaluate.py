@@ -77,7 +77,7 @@ def worker(plan_dict: dict, out_json: str | None) -> None:
 
     plan = RunPlan.from_dict(plan_dict)
     cfg = from_dict(plan.config)
-    ctx = comm.init(timeout_s=cfg.run.timeout or None)
+    ctx = comm.init(timeout_s=cfg.run.timeout or None, device=plan.device)  # the plan's choice
     trainer = Trainer(cfg, ctx, plan)
     loss = trainer.validate()
     t = cfg.train
@@ -90,11 +90,12 @@ def worker(plan_dict: dict, out_json: str | None) -> None:
             "tokens": tokens,
             "batches": trainer.val_loader.num_batches,
             "layout": plan.dims,
+            "device": ctx.device.type,
         }
         print(
             f"meshspeed eval: loss {loss:.6f}, perplexity {result['perplexity']:.4f} over {tokens:,} "
             f"tokens ({result['batches']} batches of {t.global_batch_size} × {t.seq_len}) on "
-            f"{ctx.world_size} rank(s)"
+            f"{ctx.world_size} rank(s) on {ctx.device.type}"
         )
         if out_json:
             with open(out_json, "w") as f:
