@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     "meshspeed.commands.eval",
     "meshspeed.commands.generate",
     "meshspeed.commands.pipeline",
+    "meshspeed.commands.plan",
     "meshspeed.commands.train",
 ]
 

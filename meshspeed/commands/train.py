@@ -56,6 +56,12 @@ def register(sub) -> None:
         "a worker; --nproc sets the world size (any, e.g. 64, on a laptop)",
     )
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
+    p.add_argument(
+        "--layout-from",
+        metavar="PLAN.json",
+        help="take the layout (tp, pp, cp, ep, ZeRO, schedule, micro-batch, recompute, nproc) from "
+        "`meshspeed plan --json`'s best entry; settings given here still win",
+    )
     config.add_arguments(p)
     p.set_defaults(func=run)
 
@@ -71,7 +77,12 @@ def run(args) -> int:
         return 2
     quiet = launched() and os.environ.get("RANK", "0") != "0"  # under torchrun: rank 0 speaks
     try:
-        cfg = config.load(args.config, config.overrides_from_args(args))
+        overrides = config.overrides_from_args(args)
+        if args.layout_from:  # the planner's best layout, under what the command line pins
+            from meshspeed.plan.planner import layout_overrides
+
+            overrides = layout_overrides(args.layout_from) + overrides
+        cfg = config.load(args.config, overrides)
         # The whole run, resolved and checked once, before any worker starts (under torchrun,
         # in each rank before it joins the job): a bad setting costs one line.
         plan = make_plan(cfg, world_size(cfg), ranks=args.dry_run)

@@ -1,0 +1,162 @@
+"""`meshspeed plan`: the parallel layouts for a model on a machine, ranked by predicted step time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+EXAMPLES = """examples:
+  meshspeed plan --config configs/llama3-8b.toml --nodes 8 --gpus-per-node 8 --device h100
+  meshspeed plan --model.preset llama3-70b --nproc 512 --device h200 --train.global_batch_size 512 --top 3
+  meshspeed plan --config configs/tiny-moe.toml --nproc 4 --device calibrated --json > plan.json
+  meshspeed train --config configs/tiny-moe.toml --layout-from plan.json     # the best layout
+  meshspeed plan --calibrate                      # measure this machine (matmul rate, links)
+
+Every layout printed passed the run plan (the checks `meshspeed train` makes) and fits the
+device memory less --headroom by the run plan's own estimate. Settings given on the command line
+(--parallel.tp 8, --memory.recompute full, ...) are fixed; the planner searches the rest: tp, pp,
+cp, ep, ZeRO level, pipeline schedule, micro-batch size and recompute. Predicted times are a
+model (compute at an achievable fraction of peak, collectives from the α-β cost model, the
+schedule's simulated bubble): benchmarks/planner.py compares them with measured steps.
+"""
+
+
+def register(sub) -> None:
+    from meshspeed.plan import config
+
+    p = sub.add_parser(
+        "plan",
+        help="rank parallel layouts for a model on a machine",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="a TOML preset (see configs/)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (with --gpus-per-node; else --nproc)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node")
+    p.add_argument("--device", default="h100", help="h100, h200, a100, b200, cpu, or calibrated")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense peak per device (TFLOP/s)")
+    p.add_argument("--memory-gib", type=float, default=None, help="device memory (GiB)")
+    p.add_argument("--mem-bw-gbs", type=float, default=None, help="device memory bandwidth (GB/s)")
+    p.add_argument("--intra-gbs", type=float, default=None, help="link bandwidth inside a node (GB/s)")
+    p.add_argument("--inter-gbs", type=float, default=None, help="link bandwidth between nodes (GB/s)")
+    p.add_argument("--headroom", type=float, default=0.1, help="memory kept free (fraction, default 0.1)")
+    p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
+    p.add_argument("--calibrate", action="store_true", help="measure this machine and store it")
+    config.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:6.1f} GiB" if n >= 2**30 else f"{n / 2**20:6.1f} MiB"
+
+
+def _machine(args):
+    from meshspeed.plan.machine import get_machine
+
+    return get_machine(
+        args.device,
+        peak_tflops=args.peak_tflops,
+        memory_gib=args.memory_gib,
+        mem_bw_gbs=args.mem_bw_gbs,
+        intra_gbs=args.intra_gbs,
+        inter_gbs=args.inter_gbs,
+        gpus_per_node=args.gpus_per_node,
+    )
+
+
+def _world(args, cfg) -> int:
+    from meshspeed.comm import ConfigError
+
+    if args.nodes is not None:
+        if args.gpus_per_node is None or args.nodes < 1 or args.gpus_per_node < 1:
+            raise ConfigError(
+                f"--nodes {args.nodes} needs --gpus-per-node N (both ≥ 1); or give the world as --nproc"
+            )
+        return args.nodes * args.gpus_per_node
+    return cfg.nproc
+
+
+def calibrate(args) -> int:
+    import dataclasses
+
+    from meshspeed.comm import cost_model
+    from meshspeed.plan.machine import MACHINES, measure_matmul_tflops, save_calibration
+
+    tflops = measure_matmul_tflops()
+    links = cost_model.load("gloo")
+    a, beta, _ = links.values["native.intra"]
+    m = dataclasses.replace(
+        MACHINES["cpu"],
+        name="calibrated",
+        peak_tflops=tflops,
+        intra_gbs=1 / beta / 1e9,
+        alpha_us=a * 1e6,
+        gpus_per_node=args.gpus_per_node or MACHINES["cpu"].gpus_per_node,
+        shared_cores=os.cpu_count() or 1,  # gloo ranks on this machine share its cores
+        matmul_eff=1.0,  # the measured rate is already what a matmul achieves here
+    )
+    path = save_calibration(m)
+    print(
+        f"meshspeed plan: matmul {tflops * 1e3:.1f} GFLOP/s; links from {links.source} "
+        f"(α {a * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s); stored in {path} "
+        "(run `meshspeed bench comm --nproc 4` first to fit the links)"
+    )
+    return 0
+
+
+def run(args) -> int:
+    from meshspeed.comm import ConfigError
+    from meshspeed.plan import config
+    from meshspeed.plan.planner import SEARCHED, rank_layouts, settings_args, why_lost
+
+    if args.calibrate:
+        return calibrate(args)
+    try:
+        overrides = config.overrides_from_args(args)
+        cfg = config.load(args.config, overrides)
+        machine = _machine(args)
+        world = _world(args, cfg)
+        if not 0 <= args.headroom < 1 or args.top < 1:
+            raise ConfigError(f"--headroom {args.headroom} must be in [0, 1) and --top {args.top} ≥ 1")
+        fixed = {}
+        for key, _ in overrides:  # what the user pinned, typed as the loaded config holds it
+            if key in SEARCHED:
+                section, _, name = key.partition(".")
+                fixed[key] = getattr(getattr(cfg, section), name)
+
+        def progress(i, n):
+            if sys.stderr.isatty():
+                print(f"\rmeshspeed plan: structure {i + 1}/{n}", end="", file=sys.stderr, flush=True)
+
+        ok, rejected = rank_layouts(cfg, world, machine, fixed, args.headroom, progress)
+    except ConfigError as err:
+        print(f"meshspeed plan: {err}", file=sys.stderr)
+        return 2
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    if args.json:
+        print(json.dumps({"world_size": world, "machine": machine.name, "layouts": ok[: args.top]}))
+        return 0 if ok else 1
+    if not ok:
+        reasons = sorted({r["rejected"] for r in rejected})[:5]
+        print(
+            "meshspeed plan: no layout passes the run plan and fits; first reasons:\n  "
+            + "\n  ".join(reasons)
+        )
+        return 1
+    best = ok[0]
+    print(f"{len(ok)} layouts fit on {world} × {machine.name}; {len(rejected)} rejected. Best first:")
+    for i, r in enumerate(ok[: args.top]):
+        p = r["predicted"]
+        lost = "" if i == 0 else f"  (loses on {why_lost(r, best)})"
+        print(
+            f"{i + 1}. {p['step_s'] * 1e3:9.1f} ms/step  {p['tokens_per_s']:12,.0f} tok/s  "
+            f"MFU {p['mfu']:6.1%}  {_size(p['memory_bytes'])}/rank  bubble {p['bubble']:.2f}{lost}"
+        )
+        print(f"     {settings_args(r['settings'])}")
+    print(f"run the best: meshspeed train ... --nproc {world} {settings_args(best['settings'])}")
+    return 0
