@@ -13,6 +13,7 @@ root: `python -m benchmarks.train_step`.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -75,15 +76,46 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in JOB_ENV}
 
 
-def meshspeed_train(argv: list[str], run_dir: str) -> list[dict]:
+def meshspeed_train(argv: list[str], run_dir: str, what: str = "meshspeed train", check: bool = True):
     """`python -m meshspeed train ARGV --run.dir RUN_DIR` from the repository root in a clean
-    environment; its metrics.jsonl rows. Exits with the run's stderr tail when it fails."""
+    environment; its metrics.jsonl rows. When it fails: exit naming `what` with the run's
+    stderr tail, or with check=False print its last line and return None (a benchmark that
+    reports a failed setting as a row)."""
     cmd = [sys.executable, "-m", "meshspeed", "train", *argv, "--run.dir", run_dir]
     out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"meshspeed train failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if out.returncode or not os.path.exists(path):
+        if check:
+            raise SystemExit(f"{what} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        print(f"  {what} failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ------------------------------------------------------------------------------ command line
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser whose --help is the benchmark's docstring (first paragraph, then the
+    rest as written)."""
+    head, _, rest = doc.partition("\n\n")
+    return argparse.ArgumentParser(
+        description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def require_positive(p: argparse.ArgumentParser, args, *names: str) -> None:
+    """One parser error naming the first of `names` (attribute names) that is below 1."""
+    for k in names:
+        if getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1")
+
+
+def write_json(path: str, what: str, args, **content) -> None:
+    """Write {settings (the command line but --json), torch version, **content} to path."""
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    with open(path, "w") as f:
+        json.dump({"settings": settings, "torch": torch.__version__, **content}, f, indent=1)
+    print(f"{what} written to {path}")
 
 
 # ------------------------------------------------------------------------------ counting bytes
@@ -102,9 +134,10 @@ def storage_bytes(tensors: Iterable) -> int:
 
 
 # ------------------------------------------------------------------------------ timing
-def slowest(ctx, seconds: float) -> float:
-    """A step takes as long as its slowest rank: the maximum of `seconds` over all ranks."""
-    return comm.all_reduce(torch.tensor([float(seconds)], dtype=torch.float64), ctx.world, "max").item()
+def rank_max(ctx, x: float) -> float:
+    """The maximum of x over all ranks: a step takes as long as its slowest rank, and a layout
+    needs the memory of its fullest."""
+    return comm.all_reduce(torch.tensor([float(x)], dtype=torch.float64), ctx.world, "max").item()
 
 
 def interleaved_rounds(
@@ -184,7 +217,21 @@ def first_losses(step: Callable, data: list[tuple], group, n: int = 2) -> list[f
     return out
 
 
-# ------------------------------------------------------------------------------ the same inputs
+# ------------------------------------------------------------------------------ the same work
+def optimizer_step(opt, loss_fn: Callable) -> Callable:
+    """The training step every side times: zero the gradients, loss_fn(x, y), backward, the
+    optimizer's step; returns the detached loss."""
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = loss_fn(x, y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
 def preset_model(preset: str, seq_len: int, seed: int, **overrides):
     """The preset's model (float32) with the given overrides and room for seq_len tokens:
     every side of a comparison starts from these weights."""

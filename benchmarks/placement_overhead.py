@@ -6,23 +6,20 @@ local weight piece as a plain tensor, the input copied — and (b) DTensor's —
 DTensor and a Replicate input DTensor through the same F.linear — side by side in one run,
 over a range of sizes. Prints microseconds per step and the ratio.
 
-    python benchmarks/placement_overhead.py [--iters 200]
+    python -m benchmarks.placement_overhead [--iters 200]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from meshspeed import comm  # noqa: E402  (sys.path set up above for a run from a clone)
-from meshspeed.comm.placement import Shard, local_piece  # noqa: E402
+from benchmarks import harness
+from meshspeed import comm
+from meshspeed.comm.placement import Shard, local_piece
 
 SIZES = [(64, 64), (256, 256), (1024, 1024)]  # (in, out) features; tokens = 64
 
@@ -36,7 +33,7 @@ def _time(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def worker(iters: int, out: dict) -> None:
+def worker(iters: int, out: str) -> None:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as DShard
 
@@ -63,7 +60,7 @@ def worker(iters: int, out: dict) -> None:
 
         rows.append((fin, fout, _time(ours, iters), _time(dtensor, iters)))
     if ctx.rank == 0:
-        out["rows"] = rows
+        harness.emit(out, rows)
     ctx.close()
 
 
@@ -72,17 +69,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--nproc", type=int, default=2)
     args = ap.parse_args(argv)
-    import multiprocessing as mp
-
-    with mp.Manager() as m:
-        out = m.dict()
-        code = comm.spawn(worker, args.nproc, (args.iters, out))
-        rows = out.get("rows", [])
+    rows = harness.spawn_collect(worker, args.nproc, args.iters, name="placement_overhead")
     print(f"# column-parallel linear fwd+bwd, 64 tokens, {args.nproc} gloo ranks, 1 thread each")
     print(f"{'in':>6} {'out':>6} {'meshspeed us':>13} {'DTensor us':>11} {'DTensor/meshspeed':>18}")
     for fin, fout, a, b in rows:
         print(f"{fin:>6} {fout:>6} {a:>13.1f} {b:>11.1f} {b / a:>18.2f}")
-    return code
+    return 0
 
 
 if __name__ == "__main__":
