@@ -3,10 +3,13 @@ without `tp_overlap`, and the share of the all-gather / reduce-scatter time hidd
 
 Spawns --tp local workers (one torch thread each), each holding its tp piece of a small Llama
 (--dim, --layers, --seq tokens × --batch). A step is forward + backward of the training loss;
-its time is the slowest rank's, the median of --steps after one warmup.
+its time is the slowest rank's; the modes run interleaved step by step (harness.interleaved_rounds),
+so a slow spell of the shared machine hits them alike, and mode/plain is read per round.
 
 - plain: SP as without overlap (each all-gather / reduce-scatter blocks before / after its matmul).
-- overlap K: tp_overlap with K chunks per rank's sequence block (auto: the cost model's K).
+- overlap K: tp_overlap with K chunks per rank's sequence block (auto: the cost model's K per
+  layer and shape; where it is 1 nothing can be hidden and the layer runs the plain path, so
+  auto never loses to plain by more than the noise).
 - comm blocked: seconds a rank spends inside the all-gathers and reduce-scatters (plain: the
   whole collective; overlap: issuing plus waiting on each chunk's handle), slowest rank.
   hidden = 1 − blocked(overlap) / blocked(plain). The embedding's reduce-scatter cannot overlap
@@ -26,12 +29,11 @@ import time
 import torch
 
 import meshspeed.comm.collectives as C
-from benchmarks.harness import emit, slowest, spawn_collect
+from benchmarks.harness import emit, interleaved_rounds, rank_max, ratio, spawn_collect
 from meshspeed import comm
 from meshspeed.comm import group as group_mod
 from meshspeed.models import build_model, get_preset, recipe_for
-from meshspeed.parallel.tensor import ColumnParallelLinear, model_loss, parallelize, set_tp_overlap
-from meshspeed.parallel.tp_overlap import default_chunks
+from meshspeed.parallel.tensor import model_loss, parallelize, set_tp_overlap
 
 
 class Blocked:
@@ -84,49 +86,63 @@ def worker(args, out: str) -> None:
     targets = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
     mesh = comm.ParallelDims(tp=ctx.world_size).build(ctx)
     model = parallelize(build_model(config, seed=0), mesh, recipe_for(config), sequence_parallel=True)
-    col = next(m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.sequence_parallel)
-    tok_bytes = args.batch * args.seq * args.dim * 4
-    auto_k = default_chunks(
-        mesh["tp"], tok_bytes, 2.0 * args.batch * args.seq * args.dim * col.weight.shape[0]
-    )
-    res: dict = {"tp": ctx.world_size, "args": vars(args), "time": {}, "blocked": {}, "auto_k": auto_k}
-    modes = [("plain", None)] + [(f"overlap K={k}", k) for k in args.chunks] + [("overlap auto", None)]
-    losses = {}
-    for name, k in modes:
-        set_tp_overlap(model, name != "plain", k)
-        times, waits = [], []
-        for i in range(args.steps + 1):
+    modes = {"plain": None, **{f"overlap K={k}": k for k in args.chunks}, "overlap auto": None}
+    waits: dict[str, list[float]] = {m: [] for m in modes}
+    losses: dict[str, float] = {}
+
+    def side(name: str, k):
+        def step(x, y):
+            set_tp_overlap(model, name != "plain", k)  # attributes only: switching costs nothing
             model.zero_grad(set_to_none=True)
-            comm.barrier(ctx.world)
             blocked.seconds = 0.0
-            t0 = time.perf_counter()
-            loss = model_loss(model, tokens, targets, aux=False)
+            loss = model_loss(model, x, y, aux=False)
             loss.backward()
-            dt = time.perf_counter() - t0
-            if i:  # the first step warms up
-                times.append(slowest(ctx, dt))
-                waits.append(slowest(ctx, blocked.seconds))
-        losses[name] = loss.item()
-        res["time"][name], res["blocked"][name] = statistics.median(times), statistics.median(waits)
-    res["loss_spread"] = max(losses.values()) - min(losses.values())
+            waits[name].append(blocked.seconds)
+            losses[name] = loss.item()
+
+        return step
+
+    sides = {name: side(name, k) for name, k in modes.items()}
+    for run in sides.values():  # warm-up; auto works out and records its K per layer and shape
+        run(tokens, targets)
+    for w in waits.values():
+        w.clear()
+    times = interleaved_rounds(ctx, sides, lambda i: (tokens, targets), args.rounds, args.steps)
+    auto = sorted(
+        {
+            f"{type(m).__name__} x{list(shape)}: K={k}"
+            for m in model.modules()
+            for (shape, _), k in getattr(m, "tp_overlap_auto", {}).items()
+        }
+    )
+    res = {
+        "tp": ctx.world_size,
+        "args": vars(args),
+        "time_ms": times,
+        "blocked_s": {m: rank_max(ctx, statistics.median(w)) for m, w in waits.items()},
+        "auto": auto,
+        "loss_spread": max(losses.values()) - min(losses.values()),
+    }
     if ctx.rank == 0:
         emit(out, res)
 
 
 def report(res: dict) -> None:
-    a, t, b = res["args"], res["time"], res["blocked"]
+    a, t, b = res["args"], res["time_ms"], res["blocked_s"]
     print(
         f"tp overlap, CPU gloo, tp={res['tp']} + sequence parallel, Llama dim {a['dim']} × {a['layers']} "
-        f"layers, batch {a['batch']} × seq {a['seq']}, one thread per rank, median of {a['steps']} steps"
+        f"layers, batch {a['batch']} × seq {a['seq']}, one thread per rank; modes interleaved step by "
+        f"step, {a['rounds']} rounds × {a['steps']} steps, median step per round"
     )
-    print(f"{'mode':<16}{'step s':>10}{'plain/mode':>12}{'comm blocked s':>16}{'hidden':>9}")
+    print(f"{'mode':<16}{'step ms':>10}{'mode/plain':>12}{'(range)':>14}{'comm blocked s':>16}{'hidden':>9}")
     for mode in t:
+        med, lo, hi = ratio(t["plain"], t[mode])
         hidden = 1.0 - b[mode] / b["plain"] if b["plain"] > 0 else 0.0
         print(
-            f"{mode:<16}{t[mode]:>10.3f}{t['plain'] / t[mode]:>12.2f}{b[mode]:>16.3f}"
-            f"{'' if mode == 'plain' else f'{hidden:.0%}':>9}"
+            f"{mode:<16}{statistics.median(t[mode]):>10.1f}{med:>12.2f}{f'{lo:.2f}-{hi:.2f}':>14}"
+            f"{b[mode]:>16.3f}{'' if mode == 'plain' else f'{hidden:.0%}':>9}"
         )
-    print(f"cost model's K for the column layers' all-gather: {res['auto_k']}")
+    print("auto's choice per layer (the cost model's K; K=1 runs the plain path): " + "; ".join(res["auto"]))
     print(f"loss spread across modes: {res['loss_spread']:.2e} (exact up to summation order)")
     if not torch.cuda.is_available():
         print("torch async tensor parallelism (CUDA symmetric memory): not run, no GPU here")
@@ -139,7 +155,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps per round, every mode")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunks", type=int, nargs="*", default=[2, 4])
     args = parser.parse_args()
     report(spawn_collect(worker, args.tp, args, name="tp_overlap"))
