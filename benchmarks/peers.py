@@ -17,7 +17,7 @@ ADAMW_IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop
 
 
 # ------------------------------------------------------------------------------ optimizer
-def adamw(model, impl: str = "fused") -> torch.optim.AdamW:
+def adamw(model, impl: str | None = "fused") -> torch.optim.AdamW:
     """torch AdamW over the model's trainable parameters: decay on >= 2-D ones only, as meshspeed."""
     return torch.optim.AdamW(adamw_groups(model), **adamw_kwargs(impl))
 
@@ -28,9 +28,10 @@ def adamw_groups(model) -> list[dict]:
     return [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw_kwargs(impl: str = "fused") -> dict:
-    """fused: torch's fastest (its fused CPU/CUDA kernel); foreach; for-loop."""
-    return dict(lr=LR, betas=BETAS, eps=EPS, **ADAMW_IMPLS[impl])
+def adamw_kwargs(impl: str | None = "fused") -> dict:
+    """fused: torch's fastest (its fused CPU/CUDA kernel); foreach; for-loop; None: torch's
+    default for the parameters' device."""
+    return dict(lr=LR, betas=BETAS, eps=EPS, **(ADAMW_IMPLS[impl] if impl else {}))
 
 
 def optimizer_state(opt) -> list[torch.Tensor]:
@@ -123,15 +124,10 @@ def fsdp2_param_bytes(model) -> int:
 # ------------------------------------------------------------------------------ tensor parallel
 def dtensor_plan(model, sp: bool, loss_parallel: bool) -> tuple[dict, dict]:
     """(model-level, per-block) parallelize_module plans: torchtitan's Llama plan, on the
-    projections meshspeed splits; with sp, SequenceParallel norms and the sequence gathered
-    before attention and the feed-forward."""
+    projections meshspeed splits; with sp the sequence is gathered before attention and the
+    feed-forward (sequence_parallel_norm does the norms)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     seq = Shard(1) if sp else Replicate()
     plan = {
@@ -142,8 +138,6 @@ def dtensor_plan(model, sp: bool, loss_parallel: bool) -> tuple[dict, dict]:
             use_local_output=not loss_parallel,
         ),
     }
-    if sp:
-        plan["norm"] = SequenceParallel()
     layer = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -158,10 +152,7 @@ def dtensor_plan(model, sp: bool, loss_parallel: bool) -> tuple[dict, dict]:
         # sequence, the rest (cos, sin, doc_ids, ...) pass through. Counted from the signature,
         # so an input added to Attention.forward cannot break the peer again.
         block = next(iter(model.layers.values()))
-        n_attn = len(inspect.signature(block.attention.forward).parameters)
-        rest = (None,) * (n_attn - 1)
-        layer["attention_norm"] = SequenceParallel()
-        layer["ffn_norm"] = SequenceParallel()
+        rest = (None,) * (len(inspect.signature(block.attention.forward).parameters) - 1)
         layer["attention"] = PrepareModuleInput(
             input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
         )
@@ -169,6 +160,32 @@ def dtensor_plan(model, sp: bool, loss_parallel: bool) -> tuple[dict, dict]:
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
         )
     return plan, layer
+
+
+def sequence_parallel_norm(norm, tp_mesh) -> None:
+    """torch's SequenceParallel for a norm, whichever way the block calls it: norm(x) -> y, or
+    the fused residual add norm(x, residual) -> (h, y). SequenceParallel itself takes the first
+    input only and one output, so it cannot run the second form. Every tensor input arrives as
+    its sequence shard (DTensor Shard(1)), the weight is replicated (its gradient summed over
+    the shards, as SequenceParallel's), every output leaves as the local shard."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+
+    def replicate(name, module, mesh):
+        for p_name, p in module.named_parameters(recurse=False):
+            dt = DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False)
+            module.register_parameter(p_name, torch.nn.Parameter(dt))
+
+    def inputs(module, args, mesh):
+        def shard(a):
+            plain = isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            return DTensor.from_local(a, mesh, [Shard(1)], run_check=False) if plain else a
+
+        return tuple(shard(a) for a in args)
+
+    def outputs(module, out, mesh):
+        return tuple(o.to_local() for o in out) if isinstance(out, tuple) else out.to_local()
+
+    distribute_module(norm, tp_mesh, replicate, inputs, outputs)
 
 
 def dtensor_tp(model, tp_mesh, sp: bool, loss_parallel: bool = False):
@@ -185,6 +202,9 @@ def dtensor_tp(model, tp_mesh, sp: bool, loss_parallel: bool = False):
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, layer)
+    if sp:
+        for norm in [model.norm] + [n for b in model.layers.values() for n in (b.attention_norm, b.ffn_norm)]:
+            sequence_parallel_norm(norm, tp_mesh)
     return model
 
 

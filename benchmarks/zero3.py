@@ -24,69 +24,27 @@ are read from its parameter objects (sharded data, all-gather outputs, unsharded
 in-flight all-gather buffers: torch internals, read only). meshspeed's exact peak (updated at
 every gather) is in the rows as `exact_peak_param_bytes`.
 
-    python benchmarks/zero3.py [--nproc 2] [--model small] [--layers 4] [--json rows.json]
-    from benchmarks.zero3 import run; rows = run(nproc=2)        # for benchmarks/memory.py
+    python -m benchmarks.zero3 [--nproc 2] [--model small] [--layers 4] [--json rows.json]
+    from benchmarks import zero3; rows = zero3.run(nproc=2)        # as benchmarks/memory.py does
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import importlib
-import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness, peers
+from meshspeed import comm
+from meshspeed.models import cross_entropy_loss, preset_names
+from meshspeed.parallel.optim import build_data_parallel
 
-from meshspeed import comm  # noqa: E402
-from meshspeed.models import build_model, cross_entropy_loss, get_preset, preset_names  # noqa: E402
-from meshspeed.parallel.optim import build_data_parallel  # noqa: E402
-
-LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
-RTOL = 1e-5
 DEFAULTS = dict(
     nproc=2, model="small", layers=4, batch=8, seq_len=64, steps=4, rounds=3, warmup=1, seed=0, verbose=False
 )
-
-
-# ------------------------------------------------------------------------------ counting bytes
-def _storages(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's piece
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s._cdata] = s.nbytes()
-    return sum(seen.values())
-
-
-def fsdp2_param_bytes(model) -> int:
-    """Parameter storage FSDP2 holds on this rank now (its internals, read only)."""
-    out = []
-    for m in model.modules():
-        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
-        if state is None:
-            continue
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            groups = [g] if (g := getattr(state, "_fsdp_param_group", None)) is not None else []
-        for g in groups:
-            for fp in g.fsdp_params:
-                out += [fp._sharded_param_data, getattr(fp, "_unsharded_param", None), *fp.all_gather_outputs]
-            if (r := getattr(g, "_all_gather_result", None)) is not None:
-                out.append(r.all_gather_output)
-            if (s := getattr(g.comm_ctx, "all_gather_state", None)) is not None:
-                out.append(s.all_gather_result.all_gather_output)
-    return _storages(out)
 
 
 class Sampler:
@@ -108,54 +66,31 @@ class Sampler:
 
 # ------------------------------------------------------------------------------ the two sides
 def _model(args):
-    cfg = get_preset(args.model, **({"n_layers": args.layers} if args.layers else {}))
-    if args.seq_len > cfg.max_seq_len:
-        cfg = get_preset(
-            args.model, max_seq_len=args.seq_len, **({"n_layers": args.layers} if args.layers else {})
-        )
-    return build_model(cfg, seed=args.seed)
+    return harness.preset_model(
+        args.model, args.seq_len, args.seed, **({"n_layers": args.layers} if args.layers else {})
+    )
 
 
 def _step(model, opt):
     """One training step, the same on both sides: loss, backward, optimizer step."""
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = cross_entropy_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
+    return harness.optimizer_step(opt, lambda x, y: cross_entropy_loss(model(x), y))
 
 
 def build_meshspeed(args, mesh):
     model = _model(args)
-    dp, opt = build_data_parallel(
-        model, mesh, zero=3, dtype=torch.float32, units="layers", lr=LR, weight_decay=WD, betas=BETAS, eps=EPS
-    )
+    kw = dict(lr=harness.LR, weight_decay=harness.WD, betas=harness.BETAS, eps=harness.EPS)
+    dp, opt = build_data_parallel(model, mesh, zero=3, dtype=torch.float32, units="layers", **kw)
     z = dp.zero3
-
     return _step(model, opt), Sampler(model, z.live_param_bytes), z.live_param_bytes, z, (model, dp, opt)
 
 
 def build_fsdp2(args, mesh):
-    # peer being compared: FSDP2 (torch >= 2.6 exports it from torch.distributed.fsdp)
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
+    model = peers.fsdp2(_model(args), mesh.device_mesh["dp"], reshard_after_forward=True)
+    opt = peers.adamw(model, None)  # torch's default AdamW implementation
 
-    model = _model(args)
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh.device_mesh["dp"], reshard_after_forward=True)
-    fully_shard(model, mesh=mesh.device_mesh["dp"], reshard_after_forward=True)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    def count() -> int:
+        return peers.fsdp2_param_bytes(model)
 
-    count = lambda: fsdp2_param_bytes(model)  # noqa: E731
     return _step(model, opt), Sampler(model, count), count, None, (model, opt)
 
 
@@ -163,22 +98,7 @@ SIDES = (("meshspeed", "meshspeed zero=3", build_meshspeed), ("peer", "FSDP2 ful
 
 
 # ------------------------------------------------------------------------------ worker
-def _batches(args, vocab: int, rank: int, dp: int, n: int = 4):
-    g = torch.Generator().manual_seed(args.seed + 1)
-    rows, out = args.batch // dp, []
-    for _ in range(n):
-        t = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g)[
-            rank * rows : (rank + 1) * rows
-        ]
-        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
-    return out
-
-
-def _max(ctx, x: float) -> float:
-    return comm.all_reduce(torch.tensor([float(x)], dtype=torch.float64), ctx.world, "max").item()
-
-
-def worker(args_dict: dict, out_path: str) -> None:
+def worker(args_dict: dict, out: str) -> None:
     args = argparse.Namespace(**args_dict)
     # the sampling hooks on the embedding (whose input needs no gradient) and FSDP2's root output
     # (a view) make torch warn on every step; neither changes what is computed
@@ -187,68 +107,43 @@ def worker(args_dict: dict, out_path: str) -> None:
     ctx = comm.init()
     try:
         mesh = comm.ParallelDims(dp=ctx.world_size).build(ctx)
-        data = _batches(args, _model(args).config.vocab_size, ctx.rank, ctx.world_size)
+        vocab = _model(args).config.vocab_size
+        data = harness.token_batches(args.seed, vocab, args.batch, args.seq_len, ctx.rank, ctx.world_size)
         sides = {}
         for key, label, build in SIDES:
             torch.manual_seed(args.seed)
             step, sampler, count, z, keep = build(args, mesh)
-            losses = []
-            for i in range(2):  # step 1: same weights and batch; step 2: after one AdamW update
-                loss = step(*data[i]).reshape(1).clone()
-                losses.append(comm.all_reduce(loss, mesh["dp"], "avg").item())
+            losses = harness.first_losses(step, data, mesh["dp"])
             sides[key] = dict(
                 label=label, step=step, sampler=sampler, count=count, z=z, keep=keep, losses=losses
             )
         for s in sides.values():
             for i in range(args.warmup):
                 s["step"](*data[i % len(data)])
-            s["sampler"].on, s["times"] = True, []
+            s["sampler"].on = True
             if s["z"] is not None:
                 s["z"].peak_bytes = 0  # from here: the timed steps only
-        order = list(sides)
-        for r in range(args.rounds):
-            local = {k: [] for k in order}
-            gc.collect()
-            gc.disable()
-            for i in range(args.steps):
-                for key in order if (r * args.steps + i) % 2 == 0 else order[::-1]:
-                    comm.barrier(ctx.world)
-                    t0 = time.perf_counter()
-                    sides[key]["step"](*data[i % len(data)])
-                    local[key].append(time.perf_counter() - t0)
-            gc.enable()
-            for key in order:
-                slowest = comm.all_reduce(torch.tensor(local[key], dtype=torch.float64), ctx.world, "max")
-                sides[key]["times"].append(statistics.median(slowest.tolist()) * 1e3)
-        out = {}
+        steps = {key: s["step"] for key, s in sides.items()}
+        times = harness.interleaved_rounds(ctx, steps, lambda i: data[i % len(data)], args.rounds, args.steps)
+        res = {}
         for key, s in sides.items():
-            out[key] = {
+            res[key] = {
                 "label": s["label"],
                 "losses": s["losses"],
-                "rounds_ms": s["times"],
-                "peak_param_bytes": int(_max(ctx, s["sampler"].peak)),
-                "param_bytes_between_steps": int(_max(ctx, s["count"]())),
-                "exact_peak_param_bytes": int(_max(ctx, s["z"].peak_bytes)) if s["z"] is not None else None,
+                "rounds_ms": times[key],
+                "peak_param_bytes": int(harness.rank_max(ctx, s["sampler"].peak)),
+                "param_bytes_between_steps": int(harness.rank_max(ctx, s["count"]())),
+                "exact_peak_param_bytes": int(harness.rank_max(ctx, s["z"].peak_bytes)) if s["z"] else None,
             }
         if ctx.rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(out, f)
+            harness.emit(out, res)
     finally:
         ctx.close()
 
 
 # ------------------------------------------------------------------------------ run / report
-def _importable_worker():
-    """`worker` as module `zero3` of this directory: spawned processes import it by name, which
-    fails for a file loaded under another name (benchmarks/memory.py loads it from its path)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)  # spawned processes start with the parent's sys.path
-    return importlib.import_module("zero3").worker
-
-
 def run(**kw) -> list[dict]:
-    """Run the comparison (keyword overrides of DEFAULTS) and return one row per side; raises
+    """Run the comparison (keyword overrides of DEFAULTS) and return one row per side; exits
     when the workers fail. Rows: benchmark, variant, side, step_ms, rounds_ms, ratio (FSDP2 /
     meshspeed step time, on the meshspeed row), peak_param_bytes, param_bytes_between_steps,
     exact_peak_param_bytes (meshspeed), losses, loss_ok, settings."""
@@ -258,16 +153,10 @@ def run(**kw) -> list[dict]:
         raise TypeError(f"zero3.run: unknown settings {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
     if args["batch"] % args["nproc"]:
         raise ValueError(f"batch={args['batch']} must be a multiple of nproc={args['nproc']}")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "zero3.json")
-        code = comm.spawn(_importable_worker(), args["nproc"], (args, path))
-        if code or not os.path.exists(path):
-            raise RuntimeError(f"zero3 benchmark: the workers failed (exit code {code}; see above)")
-        with open(path) as f:
-            res = json.load(f)
+    res = harness.spawn_collect(worker, args["nproc"], args, name="zero3 benchmark")
     ms, peer = res["meshspeed"], res["peer"]
-    ok = all(abs(a - b) <= RTOL * abs(b) for a, b in zip(ms["losses"], peer["losses"]))
-    ratios = [p / m for m, p in zip(ms["rounds_ms"], peer["rounds_ms"])]
+    ok = harness.agree(peer["losses"], ms["losses"], harness.RTOL["float32"])
+    ratio, lo, hi = harness.ratio(ms["rounds_ms"], peer["rounds_ms"])
     rows = []
     for key, r in (("meshspeed", ms), ("peer", peer)):
         rows.append(
@@ -277,8 +166,8 @@ def run(**kw) -> list[dict]:
                 "side": key,
                 "step_ms": statistics.median(r["rounds_ms"]),
                 "rounds_ms": r["rounds_ms"],
-                "ratio": statistics.median(ratios) if key == "meshspeed" else None,
-                "ratio_range": [min(ratios), max(ratios)] if key == "meshspeed" else None,
+                "ratio": ratio if key == "meshspeed" else None,
+                "ratio_range": [lo, hi] if key == "meshspeed" else None,
                 "peak_param_bytes": r["peak_param_bytes"],
                 "param_bytes_between_steps": r["param_bytes_between_steps"],
                 "exact_peak_param_bytes": r["exact_peak_param_bytes"],
@@ -317,42 +206,24 @@ def report(rows: list[dict]) -> None:
         f"meshspeed exact peak {m['exact_peak_param_bytes']:,}"
     )
     if not m["loss_ok"]:
-        print(
-            "(!) LOSS MISMATCH: meshspeed and FSDP2 computed different losses; their times are not comparable"
-        )
+        print(harness.mismatch_note("meshspeed and FSDP2"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(
-        description=doc[0], epilog="\n\n".join(doc[1:]), formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--nproc", type=int, default=DEFAULTS["nproc"], help="gloo ranks = dp (default 2)")
-    p.add_argument(
-        "--model", default=DEFAULTS["model"], choices=preset_names(), help="model preset (default small)"
-    )
-    p.add_argument(
-        "--layers", type=int, default=DEFAULTS["layers"], help="blocks (0 = the preset's; default 4)"
-    )
-    p.add_argument(
-        "--batch", type=int, default=DEFAULTS["batch"], help="global batch in sequences (default 8)"
-    )
-    p.add_argument(
-        "--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens per sequence (default 64)"
-    )
-    p.add_argument(
-        "--steps", type=int, default=DEFAULTS["steps"], help="timed steps per side per round (default 4)"
-    )
-    p.add_argument("--rounds", type=int, default=DEFAULTS["rounds"], help="interleaved rounds (default 3)")
-    p.add_argument(
-        "--warmup", type=int, default=DEFAULTS["warmup"], help="untimed steps per side (default 1)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE", help="write the rows here")
+    p = harness.parser(__doc__)
+    add = p.add_argument
+    add("--nproc", type=int, default=DEFAULTS["nproc"], help="gloo ranks = dp (default 2)")
+    add("--model", default=DEFAULTS["model"], choices=preset_names(), help="model preset (default small)")
+    add("--layers", type=int, default=DEFAULTS["layers"], help="blocks (0 = the preset's; default 4)")
+    add("--batch", type=int, default=DEFAULTS["batch"], help="global batch in sequences (default 8)")
+    add("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens per sequence (default 64)")
+    add("--steps", type=int, default=DEFAULTS["steps"], help="timed steps per side per round (default 4)")
+    add("--rounds", type=int, default=DEFAULTS["rounds"], help="interleaved rounds (default 3)")
+    add("--warmup", type=int, default=DEFAULTS["warmup"], help="untimed steps per side (default 1)")
+    add("--seed", type=int, default=0)
+    add("--json", metavar="FILE", help="write the rows here")
     a = p.parse_args(argv)
-    for k in ("nproc", "batch", "seq_len", "steps", "rounds"):
-        if getattr(a, k) < 1:
-            p.error(f"--{k.replace('_', '-')}={getattr(a, k)} must be >= 1")
+    harness.require_positive(p, a, "nproc", "batch", "seq_len", "steps", "rounds")
     if a.batch % a.nproc:
         p.error(f"--batch={a.batch} must be a multiple of --nproc={a.nproc}")
     t0 = time.perf_counter()
@@ -360,14 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         f"meshspeed ZeRO-3 vs FSDP2 (torch {torch.__version__}): {a.nproc} gloo ranks, model {a.model}",
         flush=True,
     )
-    settings = {k: v for k, v in vars(a).items() if k != "json"}
-    rows = run(**settings)
+    rows = run(**{k: v for k, v in vars(a).items() if k != "json"})
     report(rows)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
-        print(f"rows written to {a.json}")
+        harness.write_json(a.json, "rows", a, rows=rows)
     return 0
 
 
