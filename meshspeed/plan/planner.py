@@ -58,8 +58,18 @@ SEARCHED = (
 )
 
 # Memory ladder: each structure is tried with the cheapest memory settings first; the first that
-# fits is kept (recompute costs compute, ZeRO-3 costs gathers: both only when memory asks).
-LADDER = (("none", 1), ("selective", 1), ("full", 1), ("none", 3), ("selective", 3), ("full", 3))
+# fits is kept. ZeRO-2 moves the bytes ZeRO-1 moves (reduce-scatter, all-gather) with a 1/dp of
+# the float32 gradients, so it is the second rung; recompute costs compute and ZeRO-3 costs a
+# gather per micro-batch: both only when memory asks.
+LADDER = (
+    ("none", 1),
+    ("none", 2),
+    ("selective", 2),
+    ("full", 2),
+    ("none", 3),
+    ("selective", 3),
+    ("full", 3),
+)
 
 
 def layout_space(cfg, world: int, machine: Machine, fixed: dict | None = None) -> list[list[dict]]:

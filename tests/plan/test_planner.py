@@ -49,9 +49,16 @@ def test_a_layout_the_run_plan_refuses_is_rejected_with_its_line():
 
 
 def test_memory_decides_recompute_and_zero():
-    """A device too small for the plain layout gets the first rung of the ladder that fits."""
+    """A device too small for the plain layout gets the first rung of the ladder that fits (ZeRO
+    pinned, so the ladder is recompute none -> selective -> full)."""
     cfg = _tiny(**{"train.seq_len": "256"})
-    s = {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "train.micro_batch_size": 2}
+    s = {
+        "parallel.tp": 1,
+        "parallel.pp": 1,
+        "parallel.cp": 1,
+        "train.micro_batch_size": 2,
+        "parallel.zero": 2,
+    }
     need = {}
     for rc in ("none", "full"):
         r = evaluate(cfg, 4, MACHINES["cpu"], {**s, "memory.recompute": rc})
