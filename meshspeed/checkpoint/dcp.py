@@ -251,8 +251,9 @@ def save_checkpoint(
 
 
 # -- load -----------------------------------------------------------------------------------
-def _load_plain(path: str):
-    """torch.load of plain data only (weights_only): a pickle that names code is refused, never run."""
+def load_plain(path: str):
+    """torch.load of plain data only (weights_only): a pickle that names code is refused, never
+    run; a truncated or damaged file is one line naming it."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
@@ -261,6 +262,44 @@ def _load_plain(path: str):
             f"beyond plain data and tensors); refused without running them (was the "
             f"file altered?)"
         ) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+    except Exception as e:  # RuntimeError/EOFError/...: torch's words for a truncated zip
+        why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        raise CheckpointError(f"{path} is damaged or truncated ({type(e).__name__}: {why})") from None
+
+
+def load_state(path: str) -> dict:
+    """A checkpoint's state.pt, checked for the shape save_checkpoint gives it."""
+    state = load_plain(path)
+    if not isinstance(state, dict) or type(state.get("step")) is not int or state["step"] < 0:
+        got = state.get("step") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path}: key 'step' is {got!r}; expected a step number ≥ 0 (was it altered?)")
+    for key in ("extra", "config"):  # read by key when resuming and converting
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            kind = type(state[key]).__name__
+            raise CheckpointError(f"{path}: key {key!r} is a {kind}; expected a dict or None (altered?)")
+    return state
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json, each key loading uses checked: one line naming the file, the
+    key, the value and what is valid."""
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}): a damaged checkpoint") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(meta).__name__}; expected an object")
+    for key, ok, valid in (
+        ("step", lambda v: type(v) is int and v >= 0, "a step number ≥ 0"),
+        ("world_size", lambda v: type(v) is int and v >= 1, "a world size ≥ 1"),
+        ("optimizer", lambda v: isinstance(v, bool), "true or false"),
+    ):
+        if not ok(meta.get(key)):
+            raise CheckpointError(f"{path}: key {key!r} is {meta.get(key)!r}; expected {valid}")
+    return meta
 
 
 def load_checkpoint(
@@ -287,9 +326,15 @@ def load_checkpoint(
         if reason:  # the same on every rank: rank 0 reports it
             raise echo(CheckpointError(f"checkpoint {resolved} does not verify: {reason}"), ctx.rank != 0)
     try:
-        with open(os.path.join(resolved, META)) as f:
-            meta = json.load(f)
-    except Exception as e:  # noqa: BLE001
+        meta = read_meta(os.path.join(resolved, META))
+        # Verified or not, tensor data is read only from inside the checkpoint.
+        outside = [r for r in manifest.referenced(resolved) if not manifest.inside(resolved, r)]
+        if outside:
+            raise CheckpointError(
+                f"checkpoint {resolved}: its .metadata points tensor data at {outside[0]!r}, outside "
+                f"the checkpoint; refused (a crafted file?)"
+            )
+    except Exception as e:  # reported on every rank by agree
         err = e
     agree(mesh, err, f"loading checkpoint {path}")
     step = torch.tensor([int(meta["step"])], dtype=torch.int64, device=ctx.device)
@@ -319,7 +364,7 @@ def load_checkpoint(
             buffers, bspecs, where = optimizer_buffers(saved, params, specs, resolved)
             tensors.update(buffers)
             tspecs.update(bspecs)
-        state = _load_plain(os.path.join(resolved, STATE))
+        state = load_state(os.path.join(resolved, STATE))
     except Exception as e:  # noqa: BLE001
         err = e
     agree(mesh, err, f"loading checkpoint {resolved}")
@@ -344,7 +389,7 @@ def load_checkpoint(
 
     rng_ok = restore_rng and meta["world_size"] == ctx.world_size
     if rng_ok:
-        _set_rng_state(_load_plain(os.path.join(resolved, RNG_DIR, f"rank-{ctx.rank:05d}.pt")))
+        _set_rng_state(load_plain(os.path.join(resolved, RNG_DIR, f"rank-{ctx.rank:05d}.pt")))
     return {
         "path": resolved,
         "step": state["step"],

@@ -1,9 +1,11 @@
-"""Checkpoint directories: naming, atomic publish, pruning, cross-rank agreement, run directories.
+"""Checkpoint directories: naming, atomic publish, removal, pruning, cross-rank agreement.
 
 The file-system half of meshspeed.checkpoint.dcp (which decides what goes in): a checkpoint
 is `run_dir/step-NNNNNN/`, complete only once it holds COMPLETE (and MANIFEST.json, see
 manifest.py); saves go to `.tmp-<nonce>` and are renamed into place, so a crash never leaves a
-half-written "latest".
+half-written "latest". A checkpoint is removed (pruning, a replaced step, run.overwrite) by the
+files its manifest lists, never by deleting the directory whole. The run directory around the
+checkpoints is run_dir.py's.
 """
 
 from __future__ import annotations
@@ -11,31 +13,23 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import sys
 
 import torch
 
 from meshspeed import comm
-from meshspeed.checkpoint.manifest import quick_check, verify
+from meshspeed.checkpoint.manifest import listed_files, quick_check, verify
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
+from meshspeed.comm.outputs import disk_error, fsync_dir, say
 
 COMPLETE = "COMPLETE"  # a step-N directory without it is not a checkpoint
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_STALE_RE = re.compile(r"^step-\d+\.(tmp|old)-[0-9a-f]+$")
-# What a run writes into run.dir besides checkpoints: what `run.overwrite` deletes.
-RUN_OUTPUTS = (
-    "metrics.jsonl",
-    "loss.png",
-    "tb",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pp_trace.json",
-    "pp_trace.png",
-    "pp_trace_sim.png",
-)
-_RUN_OUTPUT_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+STEP_RE = re.compile(r"^step-(\d+)$")
+STALE_RE = re.compile(r"^step-\d+\.(tmp|old)-[0-9a-f]+$")
+# What a save writes besides the files its manifest lists (written before or after it).
+_OWN = (COMPLETE, "MANIFEST.json", "manifest-parts")
+# A checkpoint's files by name, for one saved before manifests existed (nothing else is removed).
+_LEGACY_RE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|state\.pt|meta\.json|rng/rank-\d{5}\.pt)$")
 
 
 class CheckpointError(RuntimeError):
@@ -51,7 +45,7 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
         return []
     out = []
     for name in os.listdir(run_dir):
-        m = _STEP_RE.match(name)
+        m = STEP_RE.match(name)
         if m and os.path.isfile(os.path.join(run_dir, name, COMPLETE)):
             out.append((int(m.group(1)), os.path.join(run_dir, name)))
     return sorted(out)
@@ -69,7 +63,7 @@ def resolve(path: str) -> str:
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if os.path.isfile(os.path.join(path, COMPLETE)):
         return path
-    if _STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.isfile(
+    if STEP_RE.match(os.path.basename(os.path.normpath(path))) or os.path.isfile(
         os.path.join(path, ".metadata")
     ):
         raise CheckpointError(
@@ -86,36 +80,78 @@ def resolve(path: str) -> str:
 
 
 def fsync_write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        full = disk_error(e, path)
+        if full is None:
+            raise
+        raise CheckpointError(str(full)) from None
 
 
 def torch_save(obj, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch says "unexpected pos 704 vs 598" for a full disk
+        full = disk_error(e, path)
+        if full is None:
+            raise
+        raise CheckpointError(str(full)) from None
+
+
+def step_dirs(run_dir: str) -> list[str]:
+    """Names of the step-N directories in `run_dir` (complete or not), sorted."""
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted(n for n in os.listdir(run_dir) if STEP_RE.match(n))
+
+
+def remove_checkpoint(path: str) -> list[str]:
+    """Delete a checkpoint directory meshspeed wrote: unmarked first (a crash mid-delete must not
+    leave a half-deleted "complete" checkpoint), then the files its manifest lists (by name, for
+    one older than manifests), then the directory if nothing is left. Returns what stayed:
+    files meshspeed did not write are never removed."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return [os.path.basename(path)]
+    try:
+        os.remove(os.path.join(path, COMPLETE))
+    except FileNotFoundError:
+        pass
+    names = listed_files(path)
+    for d, _, files in os.walk(path):
+        for n in files:
+            rel = os.path.relpath(os.path.join(d, n), path).replace(os.sep, "/")
+            ours = rel in names if names is not None else bool(_LEGACY_RE.match(rel))
+            if ours or rel in _OWN or rel.startswith("manifest-parts/"):
+                os.remove(os.path.join(d, n))
+    left = []
+    for d, dirs, files in os.walk(path, topdown=False):
+        left += [os.path.relpath(os.path.join(d, n), path) for n in files]
+        if not os.listdir(d):
+            os.rmdir(d)
+    return sorted(left)
 
 
 def clean_stale(run_dir: str) -> None:
-    for name in os.listdir(run_dir):
-        if _STALE_RE.match(name):
-            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+    """Remove the partial saves a crash left (`step-N.tmp-*`), or put back a checkpoint a crash
+    caught between publish's two renames (`step-N.old-*` with no `step-N`), saying so."""
+    for name in sorted(os.listdir(run_dir)):
+        if not STALE_RE.match(name):
+            continue
+        path, final = os.path.join(run_dir, name), os.path.join(run_dir, name.split(".")[0])
+        if ".old-" in name and not os.path.exists(final):
+            os.rename(path, final)
+            say(f"put back checkpoint {final}, which an interrupted save had moved aside")
+            continue
+        left = remove_checkpoint(path)
+        kept = f" (kept {left[0]}: not a checkpoint file)" if left else ""
+        say(f"removed {path}, left by an interrupted save{kept}")
 
 
 def publish(tmp: str, final: str, nonce: str) -> None:
@@ -127,7 +163,7 @@ def publish(tmp: str, final: str, nonce: str) -> None:
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(final) or ".")
     if old:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old)
 
 
 def prune(run_dir: str, keep: int, just_saved: str) -> None:
@@ -140,47 +176,7 @@ def prune(run_dir: str, keep: int, just_saved: str) -> None:
     for _, path in found[:-keep]:
         if path in (just_saved, good):
             continue
-        # Unmark first: a crash mid-delete must not leave a half-deleted "complete" checkpoint.
-        os.remove(os.path.join(path, COMPLETE))
-        shutil.rmtree(path, ignore_errors=True)
-
-
-# -- run directories ------------------------------------------------------------------------
-def run_outputs(run_dir: str) -> list[str]:
-    """Names in `run_dir` a previous run wrote (checkpoints, metrics, plots, exports)."""
-    if not os.path.isdir(run_dir):
-        return []
-    return sorted(
-        n
-        for n in os.listdir(run_dir)
-        if _STEP_RE.match(n) or _STALE_RE.match(n) or n in RUN_OUTPUTS or _RUN_OUTPUT_RE.match(n)
-    )
-
-
-def check_fresh(run_dir: str) -> None:
-    """A new run (no checkpoint.resume) must not mix its outputs with an earlier run's."""
-    found = [n for n in run_outputs(run_dir) if _STEP_RE.match(n) or n == "metrics.jsonl"]
-    if found:
-        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise ConfigError(
-            f"run.dir={run_dir} already holds {shown} from an earlier run; continue it with "
-            f"--checkpoint.resume latest (or auto), start over with --run.overwrite true, "
-            f"or choose another --run.dir"
-        )
-
-
-def clear_run_dir(run_dir: str) -> list[str]:
-    """Delete what an earlier run wrote in `run_dir` (only meshspeed's own outputs); returns the names."""
-    names = run_outputs(run_dir)
-    for name in names:
-        path = os.path.join(run_dir, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            if os.path.isfile(os.path.join(path, COMPLETE)):
-                os.remove(os.path.join(path, COMPLETE))  # never a half-deleted "complete" checkpoint
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.remove(path)
-    return names
+        remove_checkpoint(path)
 
 
 # -- agreement across ranks -----------------------------------------------------------------

@@ -14,8 +14,13 @@ import os
 import torch
 
 from meshspeed.checkpoint.dirs import agree, fsync_write
-from meshspeed.checkpoint.safetensors_io import read_safetensors_header, write_safetensors
-from meshspeed.comm import placement
+from meshspeed.checkpoint.safetensors_io import (
+    SafetensorsError,
+    read_safetensors_header,
+    read_safetensors_metadata,
+    write_safetensors,
+)
+from meshspeed.comm import outputs, placement
 from meshspeed.sparse.linear import SparseLinear
 from meshspeed.sparse.params import REGISTRY_ATTR
 
@@ -34,7 +39,13 @@ def weight_masks(model) -> dict[str, torch.Tensor]:
 
 
 def export_safetensors(
-    model, mesh, path: str, *, dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None
+    model,
+    mesh,
+    path: str,
+    *,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
 ) -> list[str]:
     """Collective over the world: write the full (unsharded) model as safetensors; returns the files.
 
@@ -42,7 +53,9 @@ def export_safetensors(
     `<stem>-0000s-of-0000P.safetensors` and rank 0 adds the Hugging Face index
     `<path>.index.json` ({"weight_map": {name: file}}). `dtype` casts floating tensors.
     Sparse weights are exported masked: what the model computes with, not the dense values
-    the optimizer keeps under the mask.
+    the optimizer keeps under the mask. Each file is written whole or not at all, and an
+    existing file meshspeed's export did not write (no `meshspeed_layout` in its metadata) is
+    refused unless `overwrite`.
     """
     params = dict(model.named_parameters())  # this rank's pieces; each carries its Sharding
     c, pp = mesh.coords, mesh.dims.pp
@@ -60,6 +73,9 @@ def export_safetensors(
                 meta = {"format": "pt", "meshspeed_layout": json.dumps(dataclasses.asdict(mesh.dims))}
                 meta.update(metadata or {})
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                _check_ours(files[c["pp"]], overwrite)
+                if pp > 1 and c["pp"] == 0:
+                    _check_ours(f"{stem}.safetensors.index.json", overwrite, index=True)
                 write_safetensors(files[c["pp"]], full, meta)
             except Exception as e:  # noqa: BLE001
                 err = e
@@ -72,10 +88,34 @@ def export_safetensors(
                     header = read_safetensors_header(f)
                     weight_map.update({k: os.path.basename(f) for k in header})
                     total += sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                fsync_write(f"{stem}.safetensors.index.json", json.dumps(index, indent=1).encode())
+                # "meshspeed": its mark, so that a later export knows the file is its own
+                index = {"metadata": {"total_size": total, "meshspeed": True}, "weight_map": weight_map}
+                index_path = f"{stem}.safetensors.index.json"
+                body = json.dumps(index, indent=1)
+                tmp = outputs.sibling(index_path)
+                fsync_write(tmp, body.encode())
+                outputs.commit_file(tmp, index_path)
             except Exception as e:  # noqa: BLE001
                 err = e
         agree(mesh, err, f"writing the safetensors index for {path}")
         files = files + [f"{stem}.safetensors.index.json"]
     return files
+
+
+def _check_ours(path: str, overwrite: bool, index: bool = False) -> None:
+    """Refuse to replace `path` when meshspeed's export did not write it (unless `overwrite`)."""
+    if overwrite or not os.path.lexists(path):
+        return
+    try:
+        if index:
+            with open(path) as f:
+                ours = json.load(f)["metadata"]["meshspeed"] is True
+        else:
+            ours = "meshspeed_layout" in read_safetensors_metadata(path)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorsError):
+        ours = False
+    if not ours:
+        raise outputs.OutputError(
+            f"{path} exists and meshspeed's export did not write it; move it away or export elsewhere "
+            f"(the export replaces only its own files)"
+        )

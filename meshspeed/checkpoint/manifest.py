@@ -12,6 +12,11 @@ Verifying (resume): every rank reads the manifest and checks that every listed f
 with its size (a stat: catches truncation and missing shards at once), and hashes its share of
 the files (file i on rank i mod world), so a flipped byte anywhere is found while each byte is
 read once. The ranks agree on the outcome, so they all take the same decision.
+
+No holes: the manifest must list every file loading will read — the checkpoint's own files and
+every file DCP's `.metadata` points tensor data at — and every such path must stay inside the
+checkpoint directory (no `..`, no absolute path, no symbolic link leading out). A manifest
+listing nothing, or missing one of them, does not verify.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import torch
 
 from meshspeed import comm
+from meshspeed.comm import checkpoint_io
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "meshspeed-manifest/1"
@@ -30,7 +37,10 @@ PARTS = "manifest-parts"
 _CHUNK = 1 << 20
 
 # Why a checkpoint does not verify, as a code the ranks can all-gather.
-_OK, _NO_MANIFEST, _MISSING, _SIZE, _HASH = 0, 1, 2, 3, 4
+_OK, _NO_MANIFEST, _MISSING, _SIZE, _HASH, _HOLE = 0, 1, 2, 3, 4, 5
+# What every checkpoint's loading reads besides DCP's data files and the RNG states.
+REQUIRED = (".metadata", "state.pt", "meta.json", "COMPLETE")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def sha256_file(path: str) -> str:
@@ -95,29 +105,83 @@ def write_manifest(root: str, step: int) -> None:
 
 
 def read_manifest(root: str) -> dict[str, dict]:
-    """The manifest's file table; raises ValueError saying what is wrong with it."""
+    """The manifest's file table; raises ValueError saying what is wrong with it (the key, the
+    value and what is valid): a manifest is read, not believed."""
     path = os.path.join(root, MANIFEST)
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read())
     except FileNotFoundError:
         raise ValueError(f"it has no {MANIFEST} (saved by an older meshspeed, or not by meshspeed)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"its {MANIFEST} is unreadable ({type(e).__name__}: {e})") from None
-    files = data.get("files") if isinstance(data, dict) else None
-    if (
-        data.get("format") != FORMAT
-        or not isinstance(files, dict)
-        or not all(
-            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
-            for v in files.values()
-        )
-    ):
-        raise ValueError(f"its {MANIFEST} is not a {FORMAT} manifest")
-    for rel in files:
-        if rel.startswith("/") or ".." in rel.split("/"):
+    if not isinstance(data, dict):
+        raise ValueError(f"its {MANIFEST} holds a JSON {type(data).__name__}, not a {FORMAT} object")
+    files = data.get("files")
+    if data.get("format") != FORMAT or not isinstance(files, dict):
+        raise ValueError(f"its {MANIFEST} is not a {FORMAT} manifest (format={data.get('format')!r})")
+    if not files:
+        raise ValueError(f"its {MANIFEST} lists no files, so it vouches for nothing")
+    for rel, v in files.items():
+        if not inside(root, rel):
             raise ValueError(f"its {MANIFEST} names {rel!r}, outside the checkpoint")
+        ok = isinstance(v, dict) and type(v.get("size")) is int and v["size"] >= 0
+        if not ok or not _HEX64.match(str(v.get("sha256"))):
+            raise ValueError(
+                f"its {MANIFEST} has files[{rel!r}] = {str(v)[:80]}; expected "
+                f"{{'size': bytes ≥ 0, 'sha256': 64 lowercase hex digits}}"
+            )
     return files
+
+
+def inside(root: str, rel) -> bool:
+    """`rel` names a path inside `root`: relative, no `..`, and no link leading out of it."""
+    if not isinstance(rel, str) or not rel or "\0" in rel or rel.startswith(("/", "\\")):
+        return False
+    if ".." in re.split(r"[/\\]", rel):
+        return False
+    real, top = os.path.realpath(os.path.join(root, rel)), os.path.realpath(root)
+    return os.path.commonpath([real, top]) == top
+
+
+def referenced(root: str) -> list[str]:
+    """Every file loading this checkpoint reads: its own files, the RNG state of each rank of
+    the world that saved it (meta.json), and every file DCP's `.metadata` points tensor data
+    at (read with the allow-listed unpickler; nothing in it runs)."""
+    refs = set(REQUIRED)
+    try:
+        with open(os.path.join(root, "meta.json"), "rb") as f:
+            world = json.loads(f.read()).get("world_size")
+        if type(world) is int and 0 < world <= 1 << 20:
+            refs |= {f"rng/rank-{r:05d}.pt" for r in range(world)}
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass  # meta.json itself is required: its absence is reported as a hole
+    try:
+        md = checkpoint_io.read_metadata(root)
+    except (OSError, comm.CommError):
+        return sorted(refs)  # .metadata is required: reported as missing or damaged
+    storage = getattr(md, "storage_data", None) or {}
+    for info in storage.values():
+        refs.add(getattr(info, "relative_path", None))
+    return sorted(refs, key=str)
+
+
+def holes(root: str, files: dict) -> str | None:
+    """The first file loading would read that the manifest does not vouch for, or None."""
+    for rel in referenced(root):
+        if not inside(root, rel):
+            return f"its .metadata points tensor data at {rel!r}, outside the checkpoint (a crafted file?)"
+        if rel not in files:
+            return f"its {MANIFEST} does not list {rel}, which loading reads (incomplete or altered?)"
+    return None
+
+
+def listed_files(root: str) -> set[str] | None:
+    """The files a checkpoint's manifest lists, or None without a readable one."""
+    try:
+        return set(read_manifest(root))
+    except ValueError:
+        return None
 
 
 def _check(root: str, files: dict, names: list[str], rank: int, world: int | None) -> tuple[int, int]:
@@ -152,12 +216,15 @@ def _reason(code: int, rel: str, files: dict, root: str) -> str:
 
 
 def quick_check(root: str) -> str | None:
-    """Manifest present and every file there with its size (no hashing): a cheap check for
-    pruning. None when it passes, else the reason."""
+    """Manifest present, listing every file loading reads, and every file there with its size
+    (no hashing): a cheap check for pruning. None when it passes, else the reason."""
     try:
         files = read_manifest(root)
     except ValueError as e:
         return str(e)
+    hole = holes(root, files)
+    if hole:
+        return hole
     code, i = _check(root, files, sorted(files), 0, None)
     return None if code == _OK else _reason(code, sorted(files)[i], files, root)
 
@@ -167,6 +234,7 @@ def verify(root: str, mesh=None) -> str | None:
     not. With a mesh: collective over the world, every rank returns the same answer."""
     try:
         files, err = read_manifest(root), None
+        err = holes(root, files)
     except ValueError as e:
         files, err = {}, str(e)
     names = sorted(files)

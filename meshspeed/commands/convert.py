@@ -23,6 +23,7 @@ EXAMPLES = """examples:
 """
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_SHARD_MB = 2**24  # 16 TiB: past any file system's file size; a larger value is a typo
 
 
 def register(sub) -> None:
@@ -58,6 +59,13 @@ def register(sub) -> None:
         "(default: the run's data.tokenizer when it was one)",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="--to-hf: write into a directory holding files meshspeed did not write (they are kept; "
+        "only files meshspeed's own manifest there lists are replaced); --from-hf: replace the "
+        "checkpoint already in --out",
+    )
+    p.add_argument(
         "--max-shard-mb",
         type=float,
         default=2048.0,
@@ -77,6 +85,7 @@ def run(args) -> int:
 
     from meshspeed.checkpoint.dirs import CheckpointError
     from meshspeed.comm.errors import ConfigError
+    from meshspeed.comm.outputs import disk_error
 
     importing, exporting = bool(args.from_hf or args.out), bool(args.checkpoint or args.to_hf)
     if (
@@ -89,14 +98,14 @@ def run(args) -> int:
         )
     if args.dtype and args.dtype not in DTYPES:
         return _fail(f"--dtype {args.dtype!r} is not valid; choose one of {', '.join(DTYPES)}")
-    if not args.max_shard_mb > 0:
-        return _fail(f"--max-shard-mb {args.max_shard_mb} must be > 0")
+    if not 0 < args.max_shard_mb <= MAX_SHARD_MB:  # also NaN and inf
+        return _fail(f"--max-shard-mb {args.max_shard_mb} must be in (0, {MAX_SHARD_MB}] MB, e.g. 2048")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         if importing:
             from meshspeed.interop.hf_import import convert_from_hf
 
-            path = convert_from_hf(args.from_hf, args.out, dtype or torch.float32)
+            path = convert_from_hf(args.from_hf, args.out, dtype or torch.float32, overwrite=args.overwrite)
             print(f"wrote meshspeed checkpoint {path}\ntrain from it with: --model.init_from {args.out}")
         else:
             from meshspeed.interop.hf_export import export_checkpoint
@@ -107,6 +116,7 @@ def run(args) -> int:
                 dtype=dtype,
                 tokenizer=args.tokenizer,
                 max_shard_bytes=int(args.max_shard_mb * 2**20),
+                overwrite=args.overwrite,
             )
             print(
                 f"wrote {args.to_hf}: {len(files)} files (config.json, "
@@ -114,4 +124,6 @@ def run(args) -> int:
             )
     except (ConfigError, CheckpointError, ImportError) as err:
         return _fail(str(err))
+    except OSError as err:  # a full disk, a permission: one line naming the file, not a traceback
+        return _fail(str(disk_error(err, err.filename or "the output") or f"{err.strerror}: {err.filename}"))
     return 0

@@ -96,6 +96,12 @@ def register(sub) -> None:
         metavar="N",
         help="processes tokenizing in parallel (default: min(CPU count, files and JSON-lines slices))",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out even when `meshspeed data prepare` did not write it (without this, a "
+        "file there without its sidecar is refused)",
+    )
     p.set_defaults(func=run_prepare)
     parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])
 
@@ -135,6 +141,7 @@ def run_prepare(args) -> int:
             workers=workers,
             val_fraction=args.val_fraction,
             progress=_Progress(),
+            overwrite=args.overwrite,
         )
     except DataError as err:
         print(f"meshspeed data prepare: {err}", file=sys.stderr)

@@ -3,6 +3,7 @@ key/value cache, greedy or sampled, on one process or under tensor / data parall
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -60,6 +61,8 @@ def run(args) -> int:
     try:
         if args.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be ≥ 1")
+        if args.json and os.path.isdir(args.json):  # found now, not after the model has loaded
+            raise ConfigError(f"--json={args.json!r} is a directory; name a file to write")
         try:
             SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
         except ValueError as e:

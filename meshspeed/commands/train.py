@@ -67,6 +67,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from meshspeed.checkpoint.lock import RunDirLock
     from meshspeed.comm import ConfigError, launch, launched
     from meshspeed.plan import config
     from meshspeed.plan.run_plan import describe, make_plan, world_size
@@ -90,7 +91,8 @@ def run(args) -> int:
             if not quiet:
                 print(json.dumps(plan.to_dict()) if args.json else describe(plan))
             return 0
-        if not launched():
+        if not launched():  # the lock first: nothing is written in run.dir before it is ours
+            lock = RunDirLock(cfg.run.dir).acquire()
             prepare_run_dir(cfg, lead=True)
     except ConfigError as err:
         if quiet:
@@ -106,4 +108,7 @@ def run(args) -> int:
             print(f"meshspeed train: warning: {w}", file=sys.stderr, flush=True)
     if launched():  # torchrun: this process is one rank; a failure is one line and a non-zero exit
         return launch.run_worker(worker, (plan.to_dict(),))
-    return launch.spawn(worker, cfg.nproc, (plan.to_dict(), True))
+    try:
+        return launch.spawn(worker, cfg.nproc, (plan.to_dict(), True))
+    finally:
+        lock.release()  # the kernel drops it too if this process dies

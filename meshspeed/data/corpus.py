@@ -310,22 +310,65 @@ def token_file_corpus(path: str, format: str, val_fraction: float = DEFAULT_VAL_
     tokens = torch.from_file(path, shared=False, size=n, dtype=dtype)
     # `meshspeed data prepare` wrote whole documents last for validation and says how many tokens
     side = read_sidecar(path)
-    n_val = int(((side or {}).get("validation") or {}).get("tokens") or 0)
+    n_val = ((side or {}).get("validation") or {}).get("tokens") or 0
     if not 0 < n_val < n or (side or {}).get("count") != n:
         n_val = min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0
     return Corpus(tokens[: n - n_val], tokens[n - n_val :], None, path)
 
 
+# The sidecar's keys, each with its type and what is valid ("tokenizer_sha256" is None for bytes).
+_SIDECAR = {
+    "tokenizer": (str, "a tokenizer spec"),
+    "format": (str, f"one of {', '.join(TOKEN_DTYPES)}"),
+    "count": (int, "a token count ≥ 0"),
+    "max_id": (int, "a token id ≥ 0"),
+    "vocab_size": (int, "a vocabulary size ≥ 1"),
+}
+_SIDECAR_OPTIONAL = {
+    "tokenizer_sha256": ((str, type(None)), "64 hex digits or null"),
+    "bytes": (int, "the token file's size in bytes"),
+    "sha256": (str, "the token file's SHA-256, 64 hex digits"),
+    "validation": (dict, 'an object with "tokens" ≥ 0'),
+}
+
+
 def read_sidecar(path: str) -> dict | None:
-    """The JSON `meshspeed data prepare` wrote beside token file `path` (None when there is none)."""
+    """The JSON `meshspeed data prepare` wrote beside token file `path` (None when there is
+    none), every key checked for its type and range: a sidecar is read, not believed. A wrong
+    one is one DataError line naming the file, the key, the value and what is valid."""
+    side_path = path + ".json"
     try:
-        with open(path + ".json") as f:
+        with open(side_path) as f:
             side = json.load(f)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise DataError(
-            f"data.path={path!r}: its sidecar {path}.json is unreadable ({e}); re-run "
+            f"data.path={path!r}: its sidecar {side_path} is unreadable ({type(e).__name__}); re-run "
             "`meshspeed data prepare` or remove the sidecar"
         ) from None
-    return side if isinstance(side, dict) else None
+    if not isinstance(side, dict):
+        raise DataError(
+            f"data.path={path!r}: its sidecar {side_path} holds a JSON {type(side).__name__}, not an object; "
+            "re-run `meshspeed data prepare` or remove the sidecar"
+        )
+    for key, (kind, valid) in {**_SIDECAR, **_SIDECAR_OPTIONAL}.items():
+        if key not in side and key in _SIDECAR_OPTIONAL:
+            continue
+        v = side.get(key)
+        ok = isinstance(v, kind) and not isinstance(v, bool)
+        if ok and isinstance(v, int):
+            ok = v >= (1 if key == "vocab_size" else 0)
+        if ok and key == "format":
+            ok = v in TOKEN_DTYPES
+        if ok and key in ("sha256", "tokenizer_sha256") and v is not None:
+            ok = len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+        if ok and key == "validation":
+            t = v.get("tokens", 0)
+            ok = isinstance(t, int) and not isinstance(t, bool) and t >= 0
+        if not ok:
+            raise DataError(
+                f"data.path={path!r}: its sidecar {side_path} has {key}={v!r}; expected {valid} "
+                "(re-run `meshspeed data prepare`, or remove the sidecar)"
+            )
+    return side

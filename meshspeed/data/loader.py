@@ -258,25 +258,28 @@ _SCAN_TOKENS = 1 << 22  # tokens per chunk of the largest-id scan (32 MiB as int
 
 def check_token_data(path: str, format: str, vocab_size: int, tokenizer="bytes", cache_dir=None) -> None:
     """Refuse, in one line naming the file, a token file the model cannot train on: a format,
-    tokenizer or vocabulary other than its sidecar records, or any id ≥ `vocab_size` (which
-    would index past the embedding: a crash at tp 1, wrong numbers at tp ≥ 2). `tokenizer` is
-    data.tokenizer's spec or a loaded tokenizer. Without a sidecar the file is scanned once for
-    its largest id; the result is cached by (path, size, mtime). Text data passes through."""
+    tokenizer or vocabulary other than its sidecar records, a sidecar that does not describe
+    the file (size, SHA-256, largest id), or any id ≥ `vocab_size` (which would index past the
+    embedding: a crash at tp 1, wrong numbers at tp ≥ 2). `tokenizer` is data.tokenizer's spec
+    or a loaded tokenizer. The sidecar's claims are never believed: the largest id and the
+    digest come from a scan of the file, done once and cached by (path, size, mtime) (`meshspeed
+    data prepare` leaves that cache filled). Text data passes through."""
     if format not in TOKEN_DTYPES or not path or not os.path.isfile(path):
         return  # text, or a missing/misnamed file: load_corpus words those errors
     itemsize = torch.empty(0, dtype=TOKEN_DTYPES[format]).element_size()
-    n = os.path.getsize(path) // itemsize
+    size = os.path.getsize(path)
+    n = size // itemsize
     side = read_sidecar(path)
     if side is not None:
         made = f"{path}.json, written by `meshspeed data prepare`"
-        if side.get("format") != format:
+        if side["format"] != format:
             raise DataError(
-                f"data.format={format} but data.path={path!r} holds {side.get('format')} tokens ({made}); "
-                f"use --data.format {side.get('format')}"
+                f"data.format={format} but data.path={path!r} holds {side['format']} tokens ({made}); "
+                f"use --data.format {side['format']}"
             )
-        if side.get("count") != n:
+        if side["count"] != n or side.get("bytes", size) != size:
             raise DataError(
-                f"data.path={path!r} holds {n:,} tokens but {path}.json says {side.get('count')}: the "
+                f"data.path={path!r} holds {n:,} tokens but {path}.json says {side['count']}: the "
                 "sidecar is stale; re-run `meshspeed data prepare` or delete the sidecar"
             )
         tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -284,22 +287,26 @@ def check_token_data(path: str, format: str, vocab_size: int, tokenizer="bytes",
         if "tokenizer_sha256" in side:
             same = side["tokenizer_sha256"] == tokenizer_digest(tok)
         else:  # sidecars written before the digest: tell bytes from Hugging Face at least
-            same = (side.get("tokenizer") == "bytes") == (name == "bytes")
+            same = (side["tokenizer"] == "bytes") == (name == "bytes")
         if not same:
             raise DataError(
                 f"data.tokenizer={name!r} but data.path={path!r} was tokenized with "
-                f"{side.get('tokenizer')!r} ({made}); use --data.tokenizer {side.get('tokenizer')} "
+                f"{side['tokenizer']!r} ({made}); use --data.tokenizer {side['tokenizer']} "
                 "(or that tokenizer's directory on this machine)"
             )
-        if side.get("vocab_size", 0) > vocab_size:
+        if side["vocab_size"] > vocab_size:
             raise DataError(
                 f"data.path={path!r} was tokenized with a {side['vocab_size']:,}-token vocabulary "
-                f"({side.get('tokenizer')}) but the model's vocab_size is {vocab_size:,}; use a model "
+                f"({side['tokenizer']}) but the model's vocab_size is {vocab_size:,}; use a model "
                 f"with vocab_size ≥ {side['vocab_size']:,} (model.preset) or a matching tokenizer"
             )
-    top = side.get("max_id") if side is not None else None
-    if top is None:
-        top = _max_token_id(path, format, n, cache_dir)
+    top, digest = scan_token_file(path, format, cache_dir)
+    if side is not None and (side.get("sha256", digest) != digest or side["max_id"] != top):
+        what = f"largest id is {top:,}, not {side['max_id']:,}" if side["max_id"] != top else "digest differs"
+        raise DataError(
+            f"data.path={path!r} does not match its sidecar {path}.json (the file's {what}: it changed "
+            f"after `meshspeed data prepare`); re-run it, or delete the sidecar"
+        )
     if top >= vocab_size:
         raise DataError(
             f"data.path={path!r} holds token id {top:,} but the model's vocab_size is {vocab_size:,} "
@@ -308,26 +315,44 @@ def check_token_data(path: str, format: str, vocab_size: int, tokenizer="bytes",
         )
 
 
-def _max_token_id(path: str, format: str, n: int, cache_dir=None) -> int:
-    """The largest id in a token file: a chunked scan (memory-mapped, 32 MiB at a time), cached
-    in the corpus cache by (absolute path, size, mtime, format) so a large file is scanned once."""
+def _memo(path: str, format: str, cache_dir=None) -> str:
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{format}".encode())
-    memo = os.path.join(cache_dir or default_cache_dir(), f"maxid-{key.hexdigest()[:24]}.json")
+    return os.path.join(cache_dir or default_cache_dir(), f"scan-{key.hexdigest()[:24]}.json")
+
+
+def remember_scan(path: str, format: str, max_id: int, sha256: str, cache_dir=None) -> None:
+    """Record what a scan of token file `path` would find (what `data prepare` just wrote), keyed
+    by its path, size and mtime; best effort (an unwritable cache means a scan later)."""
+    memo = _memo(path, format, cache_dir)
+    try:
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        with open(memo + f".{os.getpid()}.tmp", "w") as f:
+            json.dump({"path": os.path.abspath(path), "max_id": int(max_id), "sha256": sha256}, f)
+        os.replace(memo + f".{os.getpid()}.tmp", memo)
+    except OSError:
+        pass
+
+
+def scan_token_file(path: str, format: str, cache_dir=None) -> tuple[int, str]:
+    """(largest id, SHA-256) of a token file: a chunked scan (memory-mapped, 32 MiB at a time),
+    cached in the corpus cache by (absolute path, size, mtime, format): a large file is read once."""
+    memo = _memo(path, format, cache_dir)
     try:
         with open(memo) as f:
-            return int(json.load(f)["max_id"])
+            got = json.load(f)
+        if type(got["max_id"]) is int and isinstance(got["sha256"], str):
+            return got["max_id"], got["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    n = os.path.getsize(path) // torch.empty(0, dtype=TOKEN_DTYPES[format]).element_size()
     tokens = torch.from_file(path, shared=False, size=n, dtype=TOKEN_DTYPES[format])
     top = 0
     for i in range(0, n, _SCAN_TOKENS):  # uint16/uint32 have no max() on CPU: compare as int64
         top = max(top, int(tokens[i : i + _SCAN_TOKENS].to(torch.int64).max()))
-    try:
-        os.makedirs(os.path.dirname(memo), exist_ok=True)
-        with open(memo + f".{os.getpid()}.tmp", "w") as f:
-            json.dump({"path": os.path.abspath(path), "max_id": top}, f)
-        os.replace(memo + f".{os.getpid()}.tmp", memo)
-    except OSError:  # an unwritable cache: scan again next time
-        pass
-    return top
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    remember_scan(path, format, top, h.hexdigest(), cache_dir)
+    return top, h.hexdigest()

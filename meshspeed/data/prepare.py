@@ -27,6 +27,7 @@ sidecar (`<out>.json`) last.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import multiprocessing
@@ -34,9 +35,18 @@ import os
 import sys
 from array import array
 
+from meshspeed.comm import outputs
 from meshspeed.comm.errors import ConfigError
-from meshspeed.data.corpus import DEFAULT_MAX_MB, DEFAULT_VAL_FRACTION, DataError, split_files, stdlib_files
+from meshspeed.data.corpus import (
+    DEFAULT_MAX_MB,
+    DEFAULT_VAL_FRACTION,
+    DataError,
+    read_sidecar,
+    split_files,
+    stdlib_files,
+)
 from meshspeed.data.corpus import text_files as _text_files
+from meshspeed.data.loader import remember_scan
 from meshspeed.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_digest
 
 FORMATS = {"uint16": 2, "uint32": 4}  # bytes per token
@@ -179,7 +189,7 @@ def _tokenize(unit: tuple, itemsize: int, text_key: str) -> tuple[bytes, list[in
             text = json.loads(line)[text_key]
             if not isinstance(text, str):
                 raise TypeError
-        except (ValueError, KeyError, TypeError, IndexError):
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):  # deep nesting too
             at = f"{path} (line {k + 1} of the slice starting at byte {start})"
             raise DataError(
                 f"--text-key={text_key!r}: a record of {at} is not a JSON object with a string "
@@ -222,19 +232,23 @@ def prepare_tokens(
     workers: int | None = None,
     val_fraction: float | str = DEFAULT_VAL_FRACTION,
     progress=None,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenize `input` (a path, a list of paths, or empty for the built-in corpus) into token file
     `out` and its sidecar; returns the sidecar's content. `format` 'auto' picks uint16 when the
     vocabulary fits. `max_mb` caps the text read per input (None: 8 MB for the built-in corpus,
     no cap for inputs; 0 = no cap). `workers` None = min(cpu count, work units). `progress`, if
     given, is called as progress(bytes read, bytes total, tokens written) after each unit. Bad
-    values raise DataError naming the flag."""
+    values raise DataError naming the flag. The file and its sidecar are written under
+    temporary names and renamed into place when complete; an existing `out` that `meshspeed data
+    prepare` did not write (no sidecar describing it) is replaced only with `overwrite`."""
     inputs = [input] if isinstance(input, str) else list(input or [])
     inputs = [i for i in inputs if i and i != "stdlib"]
     if not out:
         raise DataError("--out is missing; name the token file to write, e.g. --out data/tokens.bin")
     if os.path.isdir(out) or out.endswith(("/", os.sep)):
         raise DataError(f"--out={out!r} must name a file to write, e.g. data/tokens.bin")
+    _check_out(out, overwrite)
     vf = _number(
         "--val-fraction", val_fraction, f"give a fraction of documents in [0, 1), e.g. {DEFAULT_VAL_FRACTION}"
     )
@@ -256,10 +270,14 @@ def prepare_tokens(
     n_workers = min(workers or os.cpu_count() or 1, len(units))
 
     lengths, top, done, used, skipped, count = array("Q"), 0, 0, set(), set(), 0
-    tmp = f"{out}.{os.getpid()}.tmp"
+    digest = hashlib.sha256()
     jobs = [(u, itemsize, text_key) for u in units]
+    tmp, side_tmp = None, None
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        for target in (out, sidecar_path(out)):
+            outputs.clean_orphans(target)
+        tmp, side_tmp = outputs.sibling(out), outputs.sibling(sidecar_path(out))
         with open(tmp, "wb") as f:
             if n_workers > 1:
                 # fork where there is one (no re-import of torch per worker); the parent has not
@@ -274,6 +292,7 @@ def prepare_tokens(
             try:
                 for (name, *_), (buf, docs, hi, binary, nbytes) in zip(units, results):
                     f.write(buf)
+                    digest.update(buf)
                     lengths.extend(docs)
                     count += len(buf) // itemsize
                     top, done = max(top, hi), done + nbytes
@@ -283,6 +302,8 @@ def prepare_tokens(
             finally:
                 if pool is not None:
                     pool.terminate()
+            f.flush()
+            os.fsync(f.fileno())
         if count == 0:
             raise DataError(
                 f"--input={' '.join(inputs) or 'stdlib'!r}: no text found (files hold NUL bytes, i.e. binary "
@@ -298,6 +319,8 @@ def prepare_tokens(
             "count": count,
             "documents": len(lengths),
             "max_id": top,
+            "bytes": count * itemsize,
+            "sha256": digest.hexdigest(),
             "validation": {
                 "fraction": vf,
                 "documents": n_val,
@@ -308,16 +331,46 @@ def prepare_tokens(
             "validation_files": len(val & used),
             "skipped_binary": len(skipped),
         }
-        os.replace(tmp, out)
-        with open(sidecar_path(out) + ".tmp", "w") as f:
+        with open(side_tmp, "w") as f:
             json.dump(meta, f, indent=1)
-        os.replace(sidecar_path(out) + ".tmp", sidecar_path(out))
+            f.flush()
+            os.fsync(f.fileno())
+        # Tokens first, sidecar last: between the two renames the old sidecar describes the new
+        # file wrongly (size, digest), which training refuses, so no mix is ever trained on.
+        outputs.commit_file(tmp, out)
+        outputs.commit_file(side_tmp, sidecar_path(out))
+        remember_scan(out, format, top, meta["sha256"])  # training's first check need not scan
+    except outputs.OutputError as e:
+        raise DataError(str(e)) from None
     except OSError as e:
+        full = outputs.disk_error(e, out)
         raise DataError(
-            f"--out={out!r} cannot be written ({e.strerror or e}); choose a writable path, "
-            "e.g. data/tokens.bin"
+            str(full) if full else f"--out={out!r} cannot be written ({e.strerror or e}); choose a "
+            "writable path, e.g. data/tokens.bin"
         ) from None
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        for t in (tmp, side_tmp):
+            if t and os.path.exists(t):
+                os.remove(t)
     return meta
+
+
+def _check_out(out: str, overwrite: bool) -> None:
+    """Refuse to replace a file `data prepare` did not write: one whose sidecar (strictly read)
+    does not describe it by size. With `overwrite` the user asked for it."""
+    if overwrite or not (os.path.lexists(out) or os.path.lexists(sidecar_path(out))):
+        return
+    why = None
+    try:
+        side = read_sidecar(out)
+        if side is None:
+            why = f"it has no sidecar {sidecar_path(out)}"
+        elif not os.path.isfile(out) or os.path.getsize(out) != side["count"] * FORMATS[side["format"]]:
+            why = f"its sidecar {sidecar_path(out)} does not describe it"
+    except DataError as e:
+        why = str(e).split(": ", 1)[-1]
+    if why:
+        raise DataError(
+            f"--out={out!r} exists and was not written by `meshspeed data prepare` ({why}); add "
+            "--overwrite to replace it, or choose another --out"
+        )

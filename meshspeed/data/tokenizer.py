@@ -92,9 +92,7 @@ class HFTokenizer:
         names = list(_EOT_NAMES)
         cfg = os.path.join(self.dir, "tokenizer_config.json")
         if os.path.isfile(cfg):
-            with open(cfg) as f:
-                eos = json.load(f).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
+            eos = _eos_token(cfg)
             if eos:
                 names.insert(0, eos)
         return next((i for n in names if (i := self.tok.token_to_id(n)) is not None), None)
@@ -113,6 +111,25 @@ class HFTokenizer:
     def files(self) -> list[str]:
         """The tokenizer's files to copy beside an exported model."""
         return [p for n in HF_TOKENIZER_FILES if os.path.isfile(p := os.path.join(self.dir, n))]
+
+
+def _eos_token(path: str) -> str | None:
+    """tokenizer_config.json's eos_token (a string, or {"content": string}), strictly read."""
+    try:
+        with open(path, "rb") as f:
+            cfg = json.loads(f.read())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"data.tokenizer: {path} is not readable JSON ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"data.tokenizer: {path} holds a JSON {type(cfg).__name__}, not an object")
+    eos = cfg.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is not None and not isinstance(eos, str):
+        raise ConfigError(
+            f"data.tokenizer: {path} has eos_token={cfg.get('eos_token')!r}; expected a string, "
+            f'{{"content": string}} or null'
+        )
+    return eos
 
 
 def load_tokenizer(spec: str = "bytes") -> ByteTokenizer | HFTokenizer:

@@ -8,6 +8,7 @@ pipeline stage draw exactly what a single process draws for those prompts.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,8 +33,10 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0 <= self.temperature < math.inf:  # NaN fails this too
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
+        if not 0 <= self.seed < 2**63:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 keeps every token)")
         if not 0 < self.top_p <= 1:

@@ -66,12 +66,17 @@ def resolve(opts: dict) -> dict:
     ids = [tok.encode(t) for t in texts]
     if empty := [t for t, i in zip(texts, ids, strict=True) if not i]:
         raise ConfigError(f"--prompt {empty[0]!r} encodes to no tokens; give a non-empty prompt")
-    longest = max(len(i) for i in ids) + opts["max_new_tokens"]
+    prompt = max(len(i) for i in ids)
+    longest = prompt + opts["max_new_tokens"]
+    if prompt >= config.max_seq_len:  # no --max-new-tokens fits: the prompt is what must change
+        raise ConfigError(
+            f"the longest prompt is {prompt} tokens, leaving no room under the model's max_seq_len "
+            f"{config.max_seq_len}; shorten it to at most {config.max_seq_len - 1} tokens"
+        )
     if longest > config.max_seq_len:
         raise ConfigError(
             f"--max-new-tokens={opts['max_new_tokens']}: the longest prompt plus it is {longest} tokens, "
-            f"over the model's max_seq_len {config.max_seq_len}; "
-            f"use ≤ {config.max_seq_len - longest + opts['max_new_tokens']}"
+            f"over the model's max_seq_len {config.max_seq_len}; use ≤ {config.max_seq_len - prompt}"
         )
     return {
         **opts,

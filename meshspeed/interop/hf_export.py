@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import secrets
 import shutil
 
 import torch
@@ -24,14 +26,16 @@ import torch
 from meshspeed import comm
 from meshspeed.checkpoint.dirs import agree, fsync_write
 from meshspeed.checkpoint.safetensors_io import read_safetensors_header, write_safetensors
-from meshspeed.comm import placement
+from meshspeed.comm import outputs, placement
 from meshspeed.comm.errors import ConfigError
+from meshspeed.data.tokenizer import HF_TOKENIZER_FILES
 from meshspeed.interop.model_source import checkpoint_model_config, checkpoint_state
 from meshspeed.models import ModelConfig
 from meshspeed.models.hf import config_to_hf, hf_tensors, to_hf
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 def _plan(params: dict, fqns: list[str], dtype: torch.dtype | None, limit: int) -> list[list[str]]:
@@ -62,13 +66,15 @@ def export_hf(
     hf_extra: dict | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     masks: dict | None = None,
+    overwrite: bool = False,
+    setting: str = "checkpoint.export_hf",
 ) -> list[str]:
     """Collective over the world: write `model` (this rank's pieces, any tp/pp/dp layout) as a
     Hugging Face directory `out`; returns the files written. `dtype` casts floating weights
     (default: as trained). `hf_extra`: an imported config.json whose token ids are kept.
-    `masks`: {weight FQN: sparsity mask}, default the model's sparse layers' own."""
-    from meshspeed.checkpoint.export import weight_masks  # masks as the safetensors export finds them
-
+    `masks`: {weight FQN: sparsity mask}, default the model's sparse layers' own. `out` is
+    written whole or not at all, and never over a file meshspeed did not write; one holding
+    such files is refused unless `overwrite` (`setting` names the option in the refusal)."""
     sources = hf_tensors(config)
     config_json = config_to_hf(config, dtype or next(model.parameters()).dtype, hf_extra)  # refuses early
     params = dict(model.named_parameters())
@@ -84,16 +90,58 @@ def export_hf(
         SINGLE if total == 1 else f"model-{first + k + 1:05d}-of-{total:05d}.safetensors"
         for k in range(len(shards))
     ]
-    err = None
+    # Written whole into a sibling and moved into place at the end (comm/outputs.py): a
+    # failure anywhere leaves `out` as it was, and nothing meshspeed did not write is touched.
+    err, stage = None, staging_dir(mesh, out)
     if lead:
-        try:  # a previous export's shards would be mixed with these: clear them first
-            os.makedirs(out, exist_ok=True)
-            for n in os.listdir(out):
-                if n.startswith("model") and ".safetensors" in n:
-                    os.remove(os.path.join(out, n))
-        except OSError as e:
+        try:
+            outputs.check_target_dir(out, setting, overwrite, is_export_name)
+            outputs.clean_orphans(out)
+            os.makedirs(stage)
+        except Exception as e:  # reported on every rank by agree
             err = e
     agree(mesh, err, f"preparing {out} for the Hugging Face export")
+    try:
+        _write(model, mesh, config, stage, names, shards, params, sources, dtype, masks, writer)
+        written = None
+        if lead:
+            try:
+                body = json.dumps(config_json, indent=2, sort_keys=True).encode()
+                fsync_write(os.path.join(stage, "config.json"), body)
+                written = ["config.json"] + _index(stage, total)
+                for f in tokenizer_files:
+                    shutil.copyfile(f, os.path.join(stage, os.path.basename(f)))
+                    written.append(os.path.basename(f))
+                outputs.commit_dir(stage, out, written)
+            except Exception as e:  # reported on every rank by agree
+                err = outputs.disk_error(e, stage) or e
+        agree(mesh, err, f"writing the Hugging Face export {out}")
+    except BaseException:
+        if lead:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return [os.path.join(out, n) for n in written] if lead else [os.path.join(out, "config.json")]
+
+
+def is_export_name(name: str) -> bool:
+    """A name a Hugging Face export writes (config.json, weights, index, tokenizer files)."""
+    return name in (SINGLE, INDEX, "config.json", *HF_TOKENIZER_FILES) or bool(_SHARD_RE.match(name))
+
+
+def staging_dir(mesh, out: str) -> str:
+    """The temporary sibling of `out` every rank writes into: rank 0's name for it."""
+    mine = [int(outputs.host_tag(), 16), os.getpid(), secrets.randbits(32)]
+    t = torch.tensor(mine if mesh.ctx.rank == 0 else [0, 0, 0], dtype=torch.int64, device=mesh.ctx.device)
+    comm.broadcast(t, mesh["world"], src=0)
+    host, pid, nonce = t.tolist()
+    return outputs.sibling(out, host=f"{host:08x}", pid=pid, nonce=f"{nonce:08x}")
+
+
+def _write(model, mesh, config, stage, names, shards, params, sources, dtype, masks, writer) -> None:
+    """Every stage's weights into `stage`, one shard at a time (collective over tp)."""
+    from meshspeed.checkpoint.export import weight_masks  # masks as the safetensors export finds them
+
+    c, err = mesh.coords, None
     masks = weight_masks(model) if masks is None else masks
     if writer:
         for name, shard in zip(names, shards):
@@ -107,29 +155,17 @@ def export_hf(
                 tensors.update(to_hf(fqn, full, sources[fqn]))
             if c["tp"] == 0 and err is None:
                 try:
-                    write_safetensors(os.path.join(out, name), tensors, {"format": "pt"})
+                    write_safetensors(os.path.join(stage, name), tensors, {"format": "pt"})
                 except Exception as e:  # noqa: BLE001 - reported on every rank by agree
-                    err = e
+                    err = outputs.disk_error(e, os.path.join(stage, name)) or e
             del tensors
-    agree(mesh, err, f"exporting the Hugging Face model to {out}")
-    files = [os.path.join(out, "config.json")]
-    if lead:
-        try:
-            fsync_write(files[0], json.dumps(config_json, indent=2, sort_keys=True).encode())
-            files += _index(out, total)
-            for f in tokenizer_files:
-                shutil.copyfile(f, os.path.join(out, os.path.basename(f)))
-                files.append(os.path.join(out, os.path.basename(f)))
-        except Exception as e:  # noqa: BLE001
-            err = e
-    agree(mesh, err, f"writing {out}/config.json and the index")
-    return files
+    agree(mesh, err, f"exporting the Hugging Face model ({config.family})")
 
 
 def _index(out: str, total: int) -> list[str]:
-    """Shard paths, plus the index when there are several (read back from the shards' headers)."""
+    """Shard names, plus the index when there are several (read back from the shards' headers)."""
     if total == 1:
-        return [os.path.join(out, SINGLE)]
+        return [SINGLE]
     shards = [os.path.join(out, f"model-{k:05d}-of-{total:05d}.safetensors") for k in range(1, total + 1)]
     weight_map, size = {}, 0
     for f in shards:
@@ -138,7 +174,7 @@ def _index(out: str, total: int) -> list[str]:
         size += sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
     index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
     fsync_write(os.path.join(out, INDEX), json.dumps(index, indent=2).encode())
-    return shards + [os.path.join(out, INDEX)]
+    return [os.path.basename(f) for f in shards] + [INDEX]
 
 
 # --- from a meshspeed checkpoint ------------------------------------------------------------
@@ -166,15 +202,18 @@ def export_checkpoint(
     dtype: torch.dtype | None = None,
     tokenizer: str = "",
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> list[str]:
     """`meshspeed convert --checkpoint DIR --to-hf OUT`, in one process: build the model with no
-    init (its values come from the checkpoint), load weights and sparsity masks, export."""
+    init (its values come from the checkpoint), load weights and sparsity masks, export. `OUT`
+    is checked first (export_hf's rules), so a refused target costs no loading."""
     from meshspeed.checkpoint.dcp import load_checkpoint
     from meshspeed.comm.checkpoint_io import saved_tensors
     from meshspeed.data.tokenizer import load_tokenizer
     from meshspeed.models import recipe_for
     from meshspeed.parallel.materialize import build_parallel_model
 
+    outputs.check_target_dir(out, "--to-hf", overwrite, is_export_name)
     config = checkpoint_model_config(path)
     resolved, state = checkpoint_state(path)
     extra = state.get("extra") or {}
@@ -182,7 +221,7 @@ def export_checkpoint(
     tokenizer = tokenizer or (run_cfg.get("data") or {}).get("tokenizer", "")
     tok_files = load_tokenizer(tokenizer).files() if tokenizer not in ("", "bytes") else []
     recipe = dataclasses.replace(recipe_for(config), init=lambda fqn, shape, seed: torch.empty(shape))
-    ctx = comm.init()
+    ctx = comm.init(device="cpu")  # files in, files out: the GPU stays untouched
     try:
         mesh = comm.ParallelDims().build(ctx)
         model = build_parallel_model(recipe, mesh)
@@ -199,6 +238,8 @@ def export_checkpoint(
             hf_extra=hf_extra,
             max_shard_bytes=max_shard_bytes,
             masks=masks,
+            overwrite=overwrite,
+            setting="--to-hf",
         )
     finally:
         ctx.close()

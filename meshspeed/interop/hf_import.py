@@ -21,6 +21,7 @@ import torch
 from meshspeed.checkpoint.safetensors_io import open_safetensors, read_safetensors_header
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.recipe import Recipe
+from meshspeed.interop.hf_config import read_config_json, read_index
 from meshspeed.interop.model_source import checkpoint_model_config
 from meshspeed.models import ModelConfig, recipe_for
 from meshspeed.models.hf import HFTensor, config_from_hf, hf_tensors, interleaved_rows
@@ -45,10 +46,16 @@ class HFCheckpoint:
                 f"{setting}={path!r} has no config.json; give a Hugging Face model directory "
                 f"(config.json + model.safetensors or {INDEX})"
             )
-        with open(cfg_file) as f:
-            self.hf_config = json.load(f)
-        self.config = config_from_hf(self.hf_config)
+        self.hf_config = read_config_json(cfg_file)  # every key typed and in range, or one line
+        try:
+            self.config = config_from_hf(self.hf_config)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg_file}: {e}") from None
+        except ValueError as e:  # ModelConfig's own checks
+            raise ConfigError(f"{cfg_file}: {e}") from None
         self.files = self._weight_map(setting)
+        for f in sorted(set(self.files.values())):  # every shard's header checked before any read
+            read_safetensors_header(f)
         self.sources = hf_tensors(self.config)
         self._check(setting)
 
@@ -57,8 +64,7 @@ class HFCheckpoint:
         if os.path.isfile(single):  # transformers' order: the single file wins over an index
             return {k: single for k in read_safetensors_header(single)}
         if os.path.isfile(index):
-            with open(index) as f:
-                return {k: os.path.join(self.path, v) for k, v in json.load(f)["weight_map"].items()}
+            return read_index(index, self.path)
         bins = [n for n in os.listdir(self.path) if n.endswith(".bin") or n.endswith(".pt")]
         hint = (
             f" (it holds {bins[0]}: re-save it with save_pretrained(safe_serialization=True))" if bins else ""
@@ -219,20 +225,34 @@ def init_from(cfg, setting: str = "model.init_from") -> tuple[ModelConfig, Recip
     return config, recipe, weights
 
 
-def convert_from_hf(path: str, out: str, dtype: torch.dtype = torch.float32) -> str:
+def convert_from_hf(path: str, out: str, dtype: torch.dtype = torch.float32, overwrite: bool = False) -> str:
     """`meshspeed convert --from-hf`: read a Hugging Face directory in one process (through the
     same init source as training) and save it as meshspeed checkpoint `out/step-000000`, with
-    the model config and the original config.json recorded. Returns the checkpoint's path."""
+    the model config and the original config.json recorded. Returns the checkpoint's path.
+
+    `out` is locked like a run directory while it is written, and a checkpoint already there is
+    replaced only with `overwrite` (the save swaps the whole step directory in, so an
+    interruption leaves the old one)."""
     from meshspeed import comm
     from meshspeed.checkpoint.dcp import save_checkpoint
+    from meshspeed.checkpoint.dirs import step_dirs
+    from meshspeed.checkpoint.lock import RunDirLock
     from meshspeed.parallel.materialize import build_parallel_model
 
     ckpt = HFCheckpoint(path)
-    ctx = comm.init()
-    try:
-        mesh = comm.ParallelDims().build(ctx)
-        model = build_parallel_model(hf_recipe(ckpt), mesh, dtype=dtype)
-        extra = {"model_config": dataclasses.asdict(ckpt.config), "hf_config": json.dumps(ckpt.hf_config)}
-        return save_checkpoint(out, 0, model, None, mesh, extra=extra, keep=None)
-    finally:
-        ctx.close()
+    with RunDirLock(out, "--out", "meshspeed convert"):
+        found = step_dirs(out)
+        if found and not overwrite:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise ConfigError(
+                f"--out={out!r} already holds the checkpoint {found[0]}{more}; add --overwrite to "
+                f"replace it, or choose another --out"
+            )
+        ctx = comm.init(device="cpu")  # files in, files out: the GPU stays untouched
+        try:
+            mesh = comm.ParallelDims().build(ctx)
+            model = build_parallel_model(hf_recipe(ckpt), mesh, dtype=dtype)
+            extra = {"model_config": dataclasses.asdict(ckpt.config), "hf_config": json.dumps(ckpt.hf_config)}
+            return save_checkpoint(out, 0, model, None, mesh, extra=extra, keep=None)
+        finally:
+            ctx.close()

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 
-import torch
-
-from meshspeed.checkpoint.dcp import STATE
+from meshspeed.checkpoint.dcp import STATE, load_state
 from meshspeed.checkpoint.dirs import CheckpointError, resolve
 from meshspeed.comm.errors import ConfigError
 from meshspeed.models import ModelConfig, get_preset
@@ -34,7 +32,7 @@ def checkpoint_state(path: str) -> tuple[str, dict]:
     """(checkpoint directory, its state.pt) for a checkpoint or a run directory (its latest);
     plain data only, as the checkpoint loader reads it."""
     resolved = resolve(path)
-    return resolved, torch.load(os.path.join(resolved, STATE), map_location="cpu", weights_only=True)
+    return resolved, load_state(os.path.join(resolved, STATE))
 
 
 def checkpoint_model_config(path: str, setting: str = "--checkpoint") -> ModelConfig:
@@ -49,7 +47,16 @@ def checkpoint_model_config(path: str, setting: str = "--checkpoint") -> ModelCo
         ) from None
     extra = state.get("extra") or {}
     if extra.get("model_config"):
-        return ModelConfig(**extra["model_config"])
+        recorded = extra["model_config"]
+        try:
+            if not isinstance(recorded, dict):
+                raise TypeError(f"a {type(recorded).__name__}, not a dict")
+            return ModelConfig(**recorded)
+        except (TypeError, ValueError) as e:  # an altered state.pt: one line, not a traceback
+            raise ConfigError(
+                f"{setting}={path!r}: the model config its state.pt records is not valid ({e}); "
+                f"restore the checkpoint from a copy"
+            ) from None
     run = extra.get("config") or {}
     if run.get("model"):  # older checkpoints: the trainer's own derivation from its settings
         model = run["model"]

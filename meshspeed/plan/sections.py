@@ -191,6 +191,11 @@ class CheckpointSection:
         "restarts) or a checkpoint directory (an error if it does not verify)",
     )
     keep: int = opt(3, "checkpoints to keep (older ones are deleted)")
+    allow_data_change: bool = opt(
+        False,
+        "resume even when data.path/format/tokenizer/max_mb differ from what the checkpoint "
+        "was trained on (refused otherwise: other tokens under the same step counter)",
+    )
     export_safetensors: bool = opt(False, "also export the final model to model.safetensors")
     export_hf: bool = opt(
         False,

@@ -4,7 +4,9 @@ Beside trainer.py (which is the loop itself): what happens around the loop when 
 runs it, on a laptop (meshspeed's launcher) or under torchrun.
 
 - A new run never mixes its outputs with an earlier run's: a run.dir holding checkpoints or
-  metrics needs `--checkpoint.resume` (latest / auto / a path) or `--run.overwrite true`.
+  metrics needs `--checkpoint.resume` (latest / auto / a path) or `--run.overwrite true`, which
+  deletes only what meshspeed's manifests list (checkpoint/run_dir.py). One run at a time owns
+  a run.dir (checkpoint/lock.py): the launcher, or rank 0 under torchrun, holds its lock.
 - After a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) the run dir holds the progress of
   the attempt that died, and `run.overwrite` resumes it instead of deleting it.
 - A rank that fails exits at once with a one-line report (comm.launch.run_worker), without
@@ -17,7 +19,8 @@ import os
 import sys
 
 from meshspeed import comm
-from meshspeed.checkpoint.dirs import check_fresh, clear_run_dir
+from meshspeed.checkpoint.lock import RunDirLock
+from meshspeed.checkpoint.run_dir import claim_run_dir, export_names
 from meshspeed.comm.errors import echo
 from meshspeed.plan import config as config_mod
 
@@ -54,19 +57,17 @@ def prepare_run_dir(cfg: config_mod.Config, *, lead: bool) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    if ck.resume:
-        return
-    if run.overwrite:
-        if lead:
-            removed = clear_run_dir(run.dir)
-            if removed:
-                print(
-                    f"meshspeed: run.overwrite=true: deleted {len(removed)} earlier output(s) in {run.dir}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        return
-    check_fresh(run.dir)
+    c = cfg.checkpoint
+    exports = export_names(c.export_safetensors, c.export_hf, cfg.parallel.pp)
+    removed = claim_run_dir(
+        run.dir, resume=bool(ck.resume), overwrite=run.overwrite, exports=exports, lead=lead
+    )
+    if removed:
+        print(
+            f"meshspeed: run.overwrite=true: deleted {len(removed)} earlier output(s) in {run.dir}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
@@ -112,8 +113,11 @@ def worker(plan_dict: dict, prepared: bool = False) -> None:
 
     plan = RunPlan.from_dict(plan_dict)
     cfg = from_dict(plan.config)
+    lock = None  # rank 0's hold on run.dir, released when this process ends (the launcher holds its own)
     if not prepared:  # under torchrun: every rank checks, rank 0 clears; nobody has joined yet
         try:
+            if os.environ.get("RANK", "0") == "0":
+                lock = RunDirLock(cfg.run.dir).acquire()
             prepare_run_dir(cfg, lead=os.environ.get("RANK", "0") == "0")
         except comm.ConfigError as err:
             raise echo(err, os.environ.get("RANK", "0") != "0")  # the same on every rank
@@ -123,3 +127,5 @@ def worker(plan_dict: dict, prepared: bool = False) -> None:
     if trainer.lead:
         print_summary(cfg, trainer, summary)
     ctx.close()
+    if lock is not None:
+        lock.release()

@@ -21,6 +21,7 @@ from meshspeed import comm
 from meshspeed.checkpoint import dcp as ckpt
 from meshspeed.checkpoint.dirs import resume_path
 from meshspeed.checkpoint.export import export_safetensors
+from meshspeed.checkpoint.run_dir import check_resume
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
 from meshspeed.data.loader import GlobalBatchLoader, ValidationLoader, load_tokens
@@ -192,6 +193,11 @@ class Trainer:
         path, verified = resume_path(which, self.cfg.run.dir, self.mesh, self.lead)
         if path is None:
             return 0
+        if not self.cfg.checkpoint.allow_data_change:  # the same on every rank: rank 0 says it
+            try:
+                check_resume(path, self.cfg.to_dict(), self.model_config.vocab_size)
+            except ConfigError as e:
+                raise echo(e, not self.lead) from None
         with self._whole_weights():
             state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=not verified)
         if self.sparsity is not None:
