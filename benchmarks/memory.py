@@ -14,28 +14,25 @@ once per feature (the `small` preset at --dim and --layers, float32 unless the r
 - plan est.: the run plan's device total for the rank (meshspeed train --dry-run: the same four
   plus its buffers: a ZeRO-3 rank's gathered blocks, offload's buckets in transit, SP gathers).
 Rows with an unknown or refused setting print the one-line reason instead. Step time is the
-slowest rank's median. ZeRO-3 against FSDP2 (torch's fully_shard) follows when
-benchmarks/zero3.py is present. On CUDA, torch.cuda.max_memory_allocated is printed per row.
+slowest rank's median. ZeRO-3 against FSDP2 (torch's fully_shard, benchmarks/zero3.py) follows.
+On CUDA, torch.cuda.max_memory_allocated is printed per row.
 
-    python benchmarks/memory.py [--nproc 2] [--steps 3] [--dim 256] [--layers 8] [--seq 256]
+    python -m benchmarks.memory [--nproc 2] [--steps 3] [--dim 256] [--layers 8] [--seq 256]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from meshspeed import comm  # noqa: E402
-from meshspeed.memory import count_saved  # noqa: E402
+from benchmarks import harness, zero3
+from meshspeed import comm
+from meshspeed.memory import count_saved
 
 FEATURES = [
     ("baseline", []),
@@ -71,23 +68,15 @@ def overrides(args, run_dir: str) -> list[tuple[str, str]]:
     ]
 
 
-def _storages(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen.setdefault(st.data_ptr(), st.nbytes())
-    return sum(seen.values())
-
-
 def measure(trainer, args, ctx) -> dict:
     times = []
     for step in range(args.steps + 1):
         comm.barrier(ctx.world)
         t0 = time.perf_counter()
         trainer.train_step(step)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        if step:
-            times.append(comm.all_reduce(dt, ctx.world, op="max").item())
+        dt = time.perf_counter() - t0
+        if step:  # the first step warms up
+            times.append(harness.rank_max(ctx, dt))
     model = trainer.model
     z3 = getattr(trainer.dp, "zero3", None)
     gen = torch.Generator().manual_seed(ctx.rank)
@@ -99,7 +88,7 @@ def measure(trainer, args, ctx) -> dict:
     trainer.dp.zero_grad()
     out = {
         # ZeRO-3: its shards plus the blocks gathered at the peak of the step (counted by zero3.py)
-        "params": z3.peak_bytes if z3 is not None else _storages(p for p in model.parameters()),
+        "params": z3.peak_bytes if z3 is not None else harness.storage_bytes(model.parameters()),
         "grads": trainer.dp.grad_bytes(),
         "optimizer": trainer.opt.state_bytes(),
         "activations": activations,
@@ -110,7 +99,7 @@ def measure(trainer, args, ctx) -> dict:
     return out
 
 
-def worker(args, out_path: str) -> None:
+def worker(args, out: str) -> None:
     torch.set_num_threads(1)
     ctx = comm.init("gloo")
     from meshspeed.plan import config
@@ -133,8 +122,7 @@ def worker(args, out_path: str) -> None:
             rows[name]["estimate"] = est["total"]
             del trainer
     if ctx.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
+        harness.emit(out, rows)
 
 
 def report(rows: dict, args) -> None:
@@ -163,19 +151,6 @@ def report(rows: dict, args) -> None:
         print("torch.cuda.max_memory_allocated against the estimator: not run, no GPU here")
 
 
-def zero3_against_fsdp2(args) -> None:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero3.py")
-    if not os.path.exists(path):
-        print("ZeRO-3 against FSDP2: benchmarks/zero3.py is not there")
-        return
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("zero3_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.main(["--nproc", str(args.nproc)])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
@@ -185,15 +160,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--no-zero3", action="store_true", help="skip the ZeRO-3 against FSDP2 part")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        rc = comm.spawn(worker, args.nproc, (args, out))
-        if rc:
-            sys.exit(rc)
-        with open(out) as f:
-            report(json.load(f), args)
+    report(harness.spawn_collect(worker, args.nproc, args, name="memory benchmark"), args)
     if not args.no_zero3:
-        zero3_against_fsdp2(args)
+        zero3.main(["--nproc", str(args.nproc)])
 
 
 if __name__ == "__main__":
