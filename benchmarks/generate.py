@@ -11,11 +11,13 @@ Rounds alternate the order (A B B A); reported: median tokens/s over rounds and 
 meshspeed / transformers (> 1: meshspeed faster). CPU by default, CUDA with --device cuda.
 
     python -m benchmarks.generate [--hidden 256] [--layers 4] [--batch 8] [--new 32] [--device cuda]
+                                  [--json FILE]   (the figures as JSON too: benchmarks/gpu_report.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="new tokens per prompt")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures here")
     a = ap.parse_args()
     import transformers
 
@@ -51,9 +54,8 @@ def main() -> None:
     theirs = transformers.LlamaForCausalLM(cfg).eval().to(a.device)
     with tempfile.TemporaryDirectory() as d:
         theirs.save_pretrained(d)
-        ours = build_parallel_model(hf_recipe(HFCheckpoint(d)), comm.ParallelDims().build(comm.init()))
-    ours = ours.eval().to(a.device)
-    ours.init_rope(a.device)
+        mesh = comm.ParallelDims().build(comm.init(device="cpu" if a.device == "cpu" else "cuda"))
+        ours = build_parallel_model(hf_recipe(HFCheckpoint(d)), mesh, device=a.device).eval()
     g = torch.Generator().manual_seed(1)
     lens = [a.prompt_len - (i * a.prompt_len) // (2 * a.batch) for i in range(a.batch)]
     prompts = [torch.randint(1, a.vocab, (n,), generator=g).tolist() for n in lens]
@@ -109,6 +111,10 @@ def main() -> None:
     for ph, k in (("prefill", "pre"), ("decode", "dec")):
         m, h = med[f"ms_{k}"], med[f"hf_{k}"]
         print(f"{ph:8} {m:16.1f} {h:19.1f} {m / h:12.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            fig = {"device": a.device, "prompts_equal": same, "prompts": a.batch, "new_tokens": a.new}
+            json.dump({**fig, "tokens_per_s": med, "transformers": transformers.__version__}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,14 @@ def register(sub) -> None:
         help="pipeline stages: each rank holds its stage of the layers (the training split) and their "
         "KV cache; the prompts flow through in micro-batches",
     )
+    p.add_argument(
+        "--run.device",
+        dest="device",
+        default="auto",
+        metavar="{auto,cpu,cuda}",
+        help="auto (default): CUDA when every rank gets a GPU of its own, else the CPU with one line "
+        "saying what to type; cpu; cuda (refused before any worker starts when the GPUs are too few)",
+    )
     p.set_defaults(func=run)
 
 
@@ -71,6 +79,8 @@ def run(args) -> int:
     except (ConfigError, ValueError) as err:
         print(f"meshspeed generate: {err}", file=sys.stderr)
         return 2
+    if job["device_notice"]:
+        print(f"meshspeed generate: warning: {job['device_notice']}", file=sys.stderr, flush=True)
     if args.nproc == 1:
         return launch.run_worker(worker, (job,))
     return launch.spawn(worker, args.nproc, (job,))

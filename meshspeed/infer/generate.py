@@ -91,7 +91,7 @@ def choose(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingConfig) -> t
         probs = probs.masked_fill(drop, 0.0)
     # Inverse CDF in vocabulary order: a pure function of (probs, u), hence of the layout-free u.
     cdf = probs.cumsum(-1)
-    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    target = (u.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, target).squeeze(-1).clamp(max=logits.shape[-1] - 1)
 
 
@@ -137,9 +137,10 @@ def generate(
     step = step or model_step(model)
     rows_t = torch.tensor(rows if rows is not None else range(len(prompts)), dtype=torch.long)
     n_total = n_total if n_total is not None else len(prompts)
-    tokens, valid = left_pad(prompts, pad_id)
+    device = next(model.parameters()).device  # prompts, cache and masks live beside the weights
+    tokens, valid = (t.to(device) for t in left_pad(prompts, pad_id))
     stats = stats if stats is not None else Stats()
-    cache = KVCache(valid[:, :0])
+    cache = KVCache(valid[:, :0], capacity=tokens.shape[1] + max_new_tokens)
     out: list[list[int]] = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool)
     with installed(model, cache):
@@ -159,7 +160,7 @@ def generate(
                 break
             # Finished sequences keep stepping (a batch moves together); their tokens are dropped.
             cache.append(torch.ones(len(prompts), 1, dtype=torch.bool))
-            logits = step(nxt[:, None].to(tokens.device), cache.positions(1))
+            logits = step(nxt[:, None].to(device), cache.positions(1))
         stats.decode_s += time.perf_counter() - t0
     # The first token of each sequence comes from the prefill's logits; the rest from decode steps.
     stats.decode_tokens += sum(len(o) for o in out) - len(out)

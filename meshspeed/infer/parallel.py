@@ -25,21 +25,26 @@ from meshspeed.parallel.pipeline.stage import build_stages
 def build_inference_model(
     recipe: Recipe, mesh, *, seed: int = 0, dtype: torch.dtype | None = None
 ) -> tuple[nn.Module, object | None]:
-    """This rank's model for inference and, under pp, its PipelineStages (else None): tensor
-    parallel over mesh["tp"], no sequence parallelism (decode steps have one token per sequence,
-    which no sequence split can cut); under pp only this rank's stage of the training split."""
+    """This rank's model for inference and, under pp, its PipelineStages (else None), on the
+    mesh's device (cuda:local_rank under nccl): tensor parallel over mesh["tp"], no sequence
+    parallelism (decode steps have one token per sequence, which no sequence split can cut);
+    under pp only this rank's stage of the training split."""
+    device = mesh.ctx.device if mesh is not None else "cpu"
     if mesh is not None and mesh.dims.pp > 1:
-        stages = build_stages(recipe, mesh, seed=seed, dtype=dtype, sequence_parallel=False)
+        stages = build_stages(recipe, mesh, seed=seed, device=device, dtype=dtype, sequence_parallel=False)
         return stages.model.eval(), stages
-    return build_parallel_model(recipe, mesh, seed=seed, dtype=dtype, sequence_parallel=False).eval(), None
+    model = build_parallel_model(recipe, mesh, seed=seed, device=device, dtype=dtype, sequence_parallel=False)
+    return model.eval(), None
 
 
 def _gather_lists(local: list[list[int]], group: comm.Group) -> list[list[int]]:
-    """Every member's token lists, concatenated in member order (uneven lengths)."""
-    lens = torch.tensor([len(x) for x in local], dtype=torch.long)
-    counts = comm.all_gather(torch.tensor([len(local)], dtype=torch.long), group).tolist()
+    """Every member's token lists, concatenated in member order (uneven lengths); the tensors
+    travel on the backend's device (NCCL moves no CPU tensor)."""
+    dev = group.ctx.device
+    lens = torch.tensor([len(x) for x in local], dtype=torch.long, device=dev)
+    counts = comm.all_gather(torch.tensor([len(local)], dtype=torch.long, device=dev), group).tolist()
     all_lens = comm.all_gather(lens, group, sizes=counts).tolist()
-    flat = torch.tensor([t for x in local for t in x], dtype=torch.long)
+    flat = torch.tensor([t for x in local for t in x], dtype=torch.long, device=dev)
     per_member = [sum(all_lens[sum(counts[:r]) : sum(counts[: r + 1])]) for r in range(group.size)]
     all_flat = comm.all_gather(flat, group, sizes=per_member).tolist()
     out, at = [], 0

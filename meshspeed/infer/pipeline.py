@@ -74,14 +74,15 @@ def generate_pipeline(
     dim = model.config.dim  # hidden states between stages: [batch, new, dim]
     dtype = next(model.parameters()).dtype
     offs = bounds(len(prompts), min(pp.size, len(prompts)))
+    device = next(model.parameters()).device
     micro = []
     for lo, hi in zip(offs[:-1], offs[1:]):
-        tokens, valid = left_pad(prompts[lo:hi], pad_id)
-        m = _Micro(torch.tensor(rows[lo:hi]), tokens, KVCache(valid[:, :0]), [[] for _ in range(hi - lo)],
+        tokens, valid = (t.to(device) for t in left_pad(prompts[lo:hi], pad_id))
+        cache = KVCache(valid[:, :0], capacity=tokens.shape[1] + max_new_tokens)
+        m = _Micro(torch.tensor(rows[lo:hi]), tokens, cache, [[] for _ in range(hi - lo)],
                    torch.zeros(hi - lo, dtype=torch.bool))  # fmt: skip
         m.cache.append(valid)
         micro.append(m)
-    device = next(model.parameters()).device
     stats.prefill_tokens += sum(len(p) for p in prompts)
     sends: list = []
     awaiting: set[int] = set()  # micro-batches whose last chosen tokens are still on their way here
@@ -94,7 +95,7 @@ def generate_pipeline(
             m.done |= nxt == eos_id
         m.finished = bool(m.done.all()) or t == max_new_tokens - 1
         # Finished sequences keep stepping with their micro-batch; their tokens are dropped.
-        m.tokens = nxt[:, None]
+        m.tokens = nxt[:, None].to(device)
         m.cache.append(torch.ones(len(m.out), 1, dtype=torch.bool))
 
     t0 = time.perf_counter()
@@ -107,10 +108,10 @@ def generate_pipeline(
             if m.finished or t == max_new_tokens:
                 continue
             n = m.tokens.shape[1]
-            positions = m.cache.positions(n).to(device)
+            positions = m.cache.positions(n)
             with installed(model, m.cache):
                 if first:
-                    h = chunk.embed(m.tokens.to(device))
+                    h = chunk.embed(m.tokens)
                 else:
                     h = torch.empty(len(m.out), n, dim, dtype=dtype, device=device)
                     h = comm.recv(h, pp, me - 1, TAG_HIDDEN)

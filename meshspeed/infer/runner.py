@@ -15,8 +15,23 @@ from meshspeed import comm
 from meshspeed.comm import ConfigError
 
 
-def resolve(opts: dict) -> dict:
-    """Checked, plain-data job description from the command's options (see commands/generate.py)."""
+def _device(opts: dict, gpus: int | None):
+    """--run.device for the --nproc local ranks (comm.context.choose_device), with the layout
+    to type when the GPUs are fewer than the ranks."""
+    from meshspeed.comm.context import choose_device, fit_degrees, local_gpus
+
+    gpus = local_gpus() if gpus is None else gpus
+    fit = fit_degrees(gpus, {"tp": opts["tp"], "pp": opts["pp"]})
+    flags = [f"--nproc {gpus}"] + [f"--parallel.{k} {v}" for k, v in fit.items() if v != opts[k]]
+    if (dp := gpus // (fit["tp"] * fit["pp"])) != opts["dp"]:
+        flags.append(f"--parallel.dp {dp}")
+    fix = "add " + " ".join(flags)
+    return choose_device(opts.get("device") or "auto", opts["nproc"], gpus, key="--run.device", fix=fix)
+
+
+def resolve(opts: dict, *, local_gpus: int | None = None) -> dict:
+    """Checked, plain-data job description from the command's options (see commands/generate.py).
+    `local_gpus`: the GPUs to place the ranks on (default: counted here)."""
     from meshspeed.data.tokenizer import check_vocab, load_tokenizer
     from meshspeed.interop.hf_import import HFCheckpoint, is_hf_dir
     from meshspeed.interop.model_source import checkpoint_model_config
@@ -78,8 +93,11 @@ def resolve(opts: dict) -> dict:
             f"--max-new-tokens={opts['max_new_tokens']}: the longest prompt plus it is {longest} tokens, "
             f"over the model's max_seq_len {config.max_seq_len}; use ≤ {config.max_seq_len - prompt}"
         )
+    device = _device(opts, local_gpus)
     return {
         **opts,
+        "device": device.device,
+        "device_notice": device.notice,
         "tokenizer": spec,
         "texts": texts,
         "ids": ids,
@@ -98,7 +116,7 @@ def worker(job: dict) -> None:
     from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
     from meshspeed.models import ModelConfig, recipe_for
 
-    ctx = comm.init()
+    ctx = comm.init(device=job.get("device", "auto"))  # resolve()'s choice, made before spawning
     mesh = comm.ParallelDims(tp=job["tp"], dp=job["dp"], pp=job["pp"]).build(ctx)
     if job.get("hf"):
         model, stages = build_inference_model(hf_recipe(HFCheckpoint(job["hf"], "--hf")), mesh)
@@ -132,6 +150,6 @@ def worker(job: dict) -> None:
                 json.dump({"outputs": rows}, f, indent=1)
         print(
             f"meshspeed generate: {stats.line()} "
-            f"(rank 0 of {ctx.world_size}; dp replicas time their own share)"
+            f"(rank 0 of {ctx.world_size} on {ctx.device.type}; dp replicas time their own share)"
         )
     ctx.close()
