@@ -18,35 +18,32 @@ every rank the mean cost while the last stage also runs the head and loss.
 Part 2, peer: meshspeed 1F1B and interleaved (vpp 2) against torch.distributed.pipelining's
 Schedule1F1B and ScheduleInterleaved1F1B running the very same stage modules. Both losses of
 the first step are printed and must agree. Then the pair runs interleaved step by step (order
-reversed every other step), --steps timed steps each per round after warmup; a step's time is
-the slowest rank's; reported: median over rounds and the ratio torch / meshspeed (> 1:
-meshspeed faster) as the median of per-round ratios, with their range.
+reversed every other step: benchmarks.harness.interleaved_rounds), --steps timed steps each per
+round after warmup; a step's time is the slowest rank's; reported: median over rounds and the
+ratio torch / meshspeed (> 1: meshspeed faster) as the median of per-round ratios, with their
+range.
 
-    python benchmarks/pipeline.py [--pp 2] [--microbatches 8] [--layers 8] [--dim 256]
+    python -m benchmarks.pipeline [--pp 2] [--microbatches 8] [--layers 8] [--dim 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from meshspeed import comm  # noqa: E402
-from meshspeed.models import cross_entropy_loss, get_preset, recipe_for  # noqa: E402
-from meshspeed.parallel.pipeline import Costs, closed_form, simulate  # noqa: E402
-from meshspeed.parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
-from meshspeed.parallel.pipeline.stage import build_stages  # noqa: E402
-from meshspeed.parallel.pipeline.trace import compare, measured_result  # noqa: E402
+from benchmarks import harness
+from meshspeed import comm
+from meshspeed.models import cross_entropy_loss, get_preset, recipe_for
+from meshspeed.parallel.pipeline import Costs, closed_form, simulate
+from meshspeed.parallel.pipeline.runtime import PipelineRuntime
+from meshspeed.parallel.pipeline.stage import build_stages
+from meshspeed.parallel.pipeline.trace import compare, measured_result
 
 SCHEDULES = [
     ("gpipe", 1),
@@ -135,7 +132,10 @@ def torch_runner(ctx, mesh, vpp: int, args):
                 group=mesh["pp"].pg,
             )
         )
-    loss_fn = lambda out, target: cross_entropy_loss(out, target)  # noqa: E731
+
+    def loss_fn(out, target):
+        return cross_entropy_loss(out, target)
+
     if vpp == 1:
         sched = Schedule1F1B(pstages[0], args.microbatches, loss_fn=loss_fn)
     else:
@@ -214,12 +214,12 @@ def peer_part(ctx, mesh, args, log) -> list[dict]:
         ours, _ = meshspeed_runner(ctx, mesh, label, vpp, args)
         try:
             theirs = torch_runner(ctx, mesh, vpp, args)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other pair
+        except Exception as e:  # report it and go on with the other pair
             log(f"  {label}: torch.distributed.pipelining failed: {type(e).__name__}: {e}")
             continue
         x, y = batch(args, 0)
         l_ours, l_theirs = ours(x, y), theirs(x, y)
-        agree = abs(l_ours - l_theirs) <= 1e-5 * abs(l_ours)
+        agree = harness.agree([l_ours], [l_theirs], harness.RTOL["float32"])
         log(
             f"  {label}: first-step loss meshspeed {l_ours:.6f} torch {l_theirs:.6f} "
             f"({'agree' if agree else 'MISMATCH'})"
@@ -227,20 +227,9 @@ def peer_part(ctx, mesh, args, log) -> list[dict]:
         for w in range(args.warmup):
             ours(*batch(args, w))
             theirs(*batch(args, w))
-        rounds = {"meshspeed": [], "torch": []}
-        for r in range(args.rounds):
-            local = {"meshspeed": [], "torch": []}
-            for s in range(args.steps):
-                order = [("meshspeed", ours), ("torch", theirs)]
-                for key, fn in order if s % 2 == 0 else order[::-1]:
-                    comm.barrier(ctx.world)
-                    t0 = time.perf_counter()
-                    fn(*batch(args, s))
-                    local[key].append(time.perf_counter() - t0)
-            for key in local:
-                slowest = comm.all_reduce(torch.tensor(local[key], dtype=torch.float64), ctx.world, "max")
-                rounds[key].append(statistics.median(slowest.tolist()) * 1e3)
-        ratios = [t / o for t, o in zip(rounds["torch"], rounds["meshspeed"])]
+        sides = {"meshspeed": ours, "torch": theirs}
+        rounds = harness.interleaved_rounds(ctx, sides, lambda s: batch(args, s), args.rounds, args.steps)
+        ratio, lo, hi = harness.ratio(rounds["meshspeed"], rounds["torch"])
         rows.append(
             {
                 "schedule": label,
@@ -250,15 +239,15 @@ def peer_part(ctx, mesh, args, log) -> list[dict]:
                 "agree": agree,
                 "meshspeed_ms": statistics.median(rounds["meshspeed"]),
                 "torch_ms": statistics.median(rounds["torch"]),
-                "ratio": statistics.median(ratios),
-                "ratio_range": [min(ratios), max(ratios)],
+                "ratio": ratio,
+                "ratio_range": [lo, hi],
             }
         )
         gc.collect()
     return rows
 
 
-def worker(args_dict: dict, out_path: str) -> None:
+def worker(args_dict: dict, result: str) -> None:
     args = argparse.Namespace(**args_dict)
     torch.set_num_threads(1)
     ctx = comm.init()
@@ -273,8 +262,7 @@ def worker(args_dict: dict, out_path: str) -> None:
             log("[peer] meshspeed vs torch.distributed.pipelining ...")
             out["peer"] = peer_part(ctx, mesh, args, log)
         if ctx.rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(out, f)
+            harness.emit(result, out)
     finally:
         ctx.close()
 
@@ -379,21 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     print(f"meshspeed pipeline benchmark, torch {torch.__version__}: {args.pp} gloo ranks", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        code = comm.spawn(worker, args.pp, (vars(args), out))
-        if code or not os.path.exists(out):
-            print("pipeline benchmark: the workers failed (see above)", file=sys.stderr)
-            return code or 1
-        with open(out) as f:
-            res = json.load(f)
+    res = harness.spawn_collect(worker, args.pp, vars(args), name="pipeline benchmark")
     report(res, args)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        harness.write_json(args.json, "results", args, **res)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
