@@ -24,7 +24,7 @@ The default model is a ~1B-parameter Llama (dim 2048, 12 layers, 16 heads, 8 KV 
 of fp32 weights, so `before` needs about 4 x 4.4 GiB on 4 ranks. The free memory
 (MemAvailable) is checked before each job; --layers/--dim/--vocab shrink the model.
 
-    python benchmarks/build_memory.py [--mode before|after|both] [--tp 4] [--layers 12] [--json FILE]
+    python -m benchmarks.build_memory [--mode before|after|both] [--tp 4] [--layers 12] [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,20 +32,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import os
 import sys
-import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from meshspeed import comm  # noqa: E402  (sys.path set up above for a run from a clone)
-from meshspeed.models import build_model, get_preset, param_count, preset_names, recipe_for  # noqa: E402
-from meshspeed.parallel.materialize import build_parallel_model  # noqa: E402
-from meshspeed.parallel.tensor import check_tp, parallelize  # noqa: E402
+from benchmarks import harness
+from meshspeed import comm
+from meshspeed.models import build_model, get_preset, param_count, preset_names, recipe_for
+from meshspeed.parallel.materialize import build_parallel_model
+from meshspeed.parallel.tensor import check_tp, parallelize
 
 GIB = 2**30
 MODES = ("before", "after")
@@ -162,17 +158,8 @@ def mem_available() -> int | None:
     return None
 
 
-def storage_bytes(tensors) -> int:
-    """Sum over unique storages (a view counts its whole storage, once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 # ------------------------------------------------------------------------------ worker
-def worker(args_dict: dict, mode: str, out_dir: str) -> None:
+def worker(args_dict: dict, mode: str, out: str) -> None:
     args = argparse.Namespace(**args_dict)
     ctx = comm.init()
     try:
@@ -212,7 +199,7 @@ def worker(args_dict: dict, mode: str, out_dir: str) -> None:
             "rss_after": st1["VmRSS"],
             "peak_growth": st1["VmHWM"] - st0["VmRSS"],
             "retained": st1["VmRSS"] - st0["VmRSS"],
-            "param_storage_bytes": storage_bytes(p for _, p in named),
+            "param_storage_bytes": harness.storage_bytes(p for _, p in named),
             "own_param_bytes": own,
             "build_s": seconds,
             "hwm_reset": reset,
@@ -220,8 +207,7 @@ def worker(args_dict: dict, mode: str, out_dir: str) -> None:
             "oversized_storage_bytes": sum(s for _, s, _ in views),
             "oversized_examples": [f"{n} ({s} B storage for {b} B)" for n, s, b in views[:3]],
         }
-        with open(os.path.join(out_dir, f"{mode}-{ctx.rank}.json"), "w") as f:
-            json.dump(row, f)
+        harness.emit(out, row, ctx.rank)
         comm.barrier(ctx.world)
     finally:
         ctx.close()
@@ -248,20 +234,6 @@ def memory_refusal(mode: str, facts: dict, tp: int, n_layers: int) -> str | None
         f"{per_rank:.1f} GiB: the whole fp32 model per rank) but "
         f"MemAvailable is {avail / GIB:.1f} GiB; shrink the model with {hint}"
     )
-
-
-def run_mode(mode: str, args) -> list[dict] | None:
-    with tempfile.TemporaryDirectory() as tmp:
-        code = comm.spawn(worker, args.tp, (vars(args), mode, tmp))
-        files = [os.path.join(tmp, f"{mode}-{r}.json") for r in range(args.tp)]
-        if code or not all(os.path.exists(f) for f in files):
-            print(f"build_memory: the {mode} workers failed (see above)", file=sys.stderr)
-            return None
-        rows = []
-        for fn in files:
-            with open(fn) as f:
-                rows.append(json.load(f))
-    return rows
 
 
 def _g(n: float) -> str:
@@ -353,10 +325,7 @@ def report(results: dict, facts: dict, config, args) -> dict:
 
 
 def parse_args(argv):
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(
-        description=doc[0], epilog="\n\n".join(doc[1:]), formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = harness.parser(__doc__)
     p.add_argument(
         "--mode",
         default="both",
@@ -424,27 +393,15 @@ def main(argv: list[str] | None = None) -> int:
             print(refusal, file=sys.stderr)
             return 1
         print(f"[{mode}] building on {args.tp} ranks ...", flush=True)
-        rows = run_mode(mode, args)
-        if rows is None:
-            return 1
-        results[mode] = rows
+        results[mode] = harness.spawn_collect(
+            worker, args.tp, vars(args), mode, name=f"build_memory ({mode})", each_rank=True
+        )
         gc.collect()
     out = report(results, facts, config, args)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
-        settings = {k: v for k, v in vars(args).items() if k != "json"}
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "settings": settings,
-                    "torch": torch.__version__,
-                    "model": {"config": {k: getattr(config, k) for k in config.field_names()}, **facts},
-                    **out,
-                },
-                f,
-                indent=1,
-            )
-        print(f"figures written to {args.json}")
+        model = {"config": {k: getattr(config, k) for k in config.field_names()}, **facts}
+        harness.write_json(args.json, "figures", args, model=model, **out)
     return 0
 
 

@@ -18,7 +18,7 @@ tiny model's parameters). On a CPU the sparse runs take the dense-masked path (n
 so their speed shows the mask overhead, not a speed-up; benchmarks/sparse_linear.py times the
 kernels on CUDA.
 
-    python benchmarks/sparse_accuracy.py [--preset small] [--steps 120] [--nproc 1] [--runs dense,elastic]
+    python -m benchmarks.sparse_accuracy [--preset small] [--steps 120] [--nproc 1] [--runs dense,elastic]
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import harness
 
 RUNS = {
     "dense": ("dense", []),
@@ -132,46 +131,19 @@ def run_one(key: str, args, out_dir: str) -> dict:
     fill = dict(never=args.steps + 1, interval=args.update_interval, finish=args.finish, half=args.steps // 2)
     extra = [a.format(**fill) for a in extra]
     run_dir = os.path.join(out_dir, key)
-    cmd = [
-        sys.executable,
-        "-m",
-        "meshspeed",
-        "train",
-        "--nproc",
-        str(args.nproc),
-        "--parallel.tp",
-        "1",
-        "--model.preset",
-        args.preset,
+    argv = ["--nproc", str(args.nproc), "--parallel.tp", "1", "--model.preset", args.preset]
+    argv += [
         "--train.global_batch_size",
         str(args.batch),
         "--train.micro_batch_size",
         str(args.batch // args.nproc),
-        "--train.seq_len",
-        str(args.seq_len),
-        "--train.eval_batches",
-        str(args.eval_batches),
-        "--train.steps",
-        str(args.steps),
-        "--train.seed",
-        str(args.seed),
-        "--train.eval_interval",
-        "0",
-        "--run.dir",
-        run_dir,
-        "--run.log_interval",
-        str(args.steps),
-    ] + extra
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    ]
+    argv += ["--train.seq_len", str(args.seq_len), "--train.eval_batches", str(args.eval_batches)]
+    argv += ["--train.steps", str(args.steps), "--train.seed", str(args.seed), "--train.eval_interval", "0"]
+    argv += ["--run.log_interval", str(args.steps), *extra]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    rows = harness.meshspeed_train(argv, run_dir, what=key)
     wall = time.perf_counter() - t0
-    if out.returncode:
-        raise SystemExit(f"{key} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
     tokens = args.batch * args.seq_len
     steady = [r["tokens_per_s"] for r in rows[3:]]  # the first steps pay for warm-up
     return {
