@@ -189,6 +189,8 @@ def check_resume_data(checkpoint: str, recorded: dict | None, config: dict, voca
     now = config.get("data") or {}
     if isinstance(was, dict):
         for key in DATA_KEYS:
+            if key == "max_mb" and now.get("path") not in ("", None, "stdlib"):
+                continue  # the cap applies to the built-in corpus only
             if key in was and key in now and was[key] != now[key]:
                 raise ConfigError(
                     f"checkpoint {checkpoint} was trained with data.{key}={was[key]!r} but this run has "

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import meshspeed.comm.cost_model as cost_model
+import meshspeed.comm.desync as desync
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.group import Group
 from meshspeed.comm.trace import FlightRecorder
@@ -154,6 +155,8 @@ class CommContext:
         self._meshes: dict = {}  # ParallelDims -> Mesh: building twice would double every group
         pg = dist.group.WORLD if world_size > 1 else None
         self.world = Group(self, pg, list(range(world_size)), "world", backend_timeout_s)
+        # Every rank's liveness in the store, for the timeout diagnosis to name a stopped rank
+        self.heartbeat = desync.Heartbeat(store, rank) if store is not None and world_size > 1 else None
         self._groups[("world", tuple(range(world_size)))] = self.world
 
     @property
@@ -259,8 +262,10 @@ class CommContext:
         if self.world_size == 1 or not dist.is_initialized():
             return
         self._store_barrier("meshspeed/close", max(self.timeout_s, CLOSE_TIMEOUT_S))
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         for group in self._groups.values():
-            group.pg = None
+            group.close()  # its worker thread joined, its process group dropped
         self._groups.clear()
         self._meshes.clear()
         self.world.pg = None

@@ -9,6 +9,13 @@ even when the collective itself would hang. Two protocols use it:
 * timeout diagnosis (always on): a rank whose collective timed out posts `stuck/<seq>/<member>`
   and waits a short grace period; members that posted too are waiting in the same collective,
   the others never arrived. Nothing is written on the fast path.
+* root cause (always on): every rank's heartbeat thread bumps a counter in the store every
+  second. A rank missing from a collective is often itself waiting on a third one (rank 0 waits
+  for rank 2 in dp while rank 2 waits for the stopped rank 3 in tp), so the diagnosis also
+  reads every rank's counter twice, 2 s apart, when a member is missing: a rank whose counter
+  stopped (SIGSTOP, a frozen host, a death) or never started is the one that stopped making
+  progress, and the error names it first (`CollectiveTimeout.culprits`). A rank that is alive
+  but busy outside communication keeps beating: it is named as the member that did not arrive.
 """
 
 from __future__ import annotations
@@ -101,6 +108,55 @@ def check(group: GroupView, seq: int, sig: dict, timeout_s: float) -> None:
         raise DesyncError(f"meshspeed: desync on group {group.name}: {msg}")
 
 
+HEARTBEAT_S = 0.5  # how often a rank bumps its counter
+HEARTBEAT_WINDOW_S = 2.0  # a counter that did not move in this long (4 beats) has stopped
+_HB = "meshspeed/hb/"
+
+
+class Heartbeat:
+    """This rank's counter in the store, bumped every HEARTBEAT_S by a thread of its own.
+
+    Not a daemon: a daemon thread caught inside the store's native code when the interpreter
+    shuts down is killed mid-call (glibc's forced unwind through C++ frames), which aborts the
+    process ("terminate called without an active exception"). This one ends by itself within
+    0.1 s of the main thread ending, before shutdown goes on, or when `stop()` is called; it
+    also ends when the store stops answering (the job is ending)."""
+
+    def __init__(self, store, rank: int, period_s: float = HEARTBEAT_S):
+        self.store, self.key, self.period_s = store, f"{_HB}{rank}", period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshspeed-heartbeat", daemon=False)
+        self._thread.start()
+
+    def _run(self) -> None:
+        main, beat, next_at = threading.main_thread(), 0, 0.0
+        while main.is_alive() and not self._stop.is_set():
+            if time.monotonic() >= next_at:
+                beat += 1
+                try:
+                    self.store.set(self.key, str(beat))
+                except Exception:  # the store's host is gone: nothing left to tell
+                    return
+                next_at = time.monotonic() + self.period_s
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+
+def _beats(store, world: int) -> list[str | None]:
+    keys = [f"{_HB}{r}" for r in range(world)]
+    have = [store.check([k]) for k in keys]
+    return [store.get(k).decode() if ok else None for k, ok in zip(keys, have)]
+
+
+def _stalled(before: list, after: list) -> list[int]:
+    """Ranks whose counter did not move between two reads (or never appeared)."""
+    return [r for r, (a, b) in enumerate(zip(before, after)) if b is None or a == b]
+
+
 def diagnose_timeout(
     group: GroupView, seq: int, desc: str, timeout_s: float, cause: str = ""
 ) -> CollectiveTimeout:
@@ -121,30 +177,38 @@ def diagnose_timeout(
     keys = [f"stuck/{seq}/{m}" for m in range(n)]
     # Members that arrived time out within their arrival skew of each other; wait that long.
     grace = min(max(1.0, 0.5 * timeout_s), 10.0)
+    world_store, world = getattr(group.ctx, "store", None), getattr(group.ctx, "world_size", 0)
     found: list = []
 
     def poll() -> None:
         try:
             store.set(keys[me], desc)
-            deadline = time.monotonic() + grace
+            start = time.monotonic()
+            beats = _beats(world_store, world) if world_store is not None else None
             present = [me]
-            while time.monotonic() < deadline:
+            while time.monotonic() < start + grace:
                 present = [m for m in range(n) if store.check([keys[m]])]
                 if len(present) == n:
                     break
                 time.sleep(0.05)
-            found.append(present)
+            stalled = None
+            if beats is not None and len(present) < n:  # long enough for every live counter to move
+                time.sleep(max(0.0, start + HEARTBEAT_WINDOW_S - time.monotonic()))
+                stalled = _stalled(beats, _beats(world_store, world))
+            found.append((present, stalled))
         except Exception:  # noqa: BLE001 - the store itself is gone (rank 0 died): say what we know
-            found.append(None)
+            found.append((None, None))
 
     worker = threading.Thread(target=poll, name="meshspeed-diagnose", daemon=True)
     worker.start()
-    worker.join(grace + 5.0)
-    present = found[0] if found else None
-    return _timeout_error(group, seq, desc, timeout_s, present, "", cause)
+    worker.join(max(grace, HEARTBEAT_WINDOW_S) + 5.0)
+    present, stalled = found[0] if found else (None, None)
+    return _timeout_error(group, seq, desc, timeout_s, present, "", cause, stalled)
 
 
-def _timeout_error(group, seq, desc, timeout_s, present, when, cause: str = "") -> CollectiveTimeout:
+def _timeout_error(
+    group, seq, desc, timeout_s, present, when, cause: str = "", stalled: list[int] | None = None
+) -> CollectiveTimeout:
     gr = group.ranks
     if cause:  # a peer left before our own deadline: most likely its deadline passed first
         head = (
@@ -175,4 +239,15 @@ def _timeout_error(group, seq, desc, timeout_s, present, when, cause: str = "") 
     tail = group.ctx.recorder.format_tail(5)
     dump = group.ctx.dump_trace()
     where = f"\n  full trace: {dump}" if dump else "\n  (set MESHSPEED_TRACE_DIR to dump the full trace)"
-    return CollectiveTimeout(f"{head}{who}\n  last collectives on this rank:\n{tail}{where}")
+    root = ""
+    if stalled:  # the root cause first: the rank(s) whose heartbeat stopped
+        many = len(stalled) > 1
+        root = (
+            f"meshspeed: {'ranks' if many else 'rank'} {_ranks(stalled)} stopped making progress ("
+            f"{'their heartbeats' if many else 'its heartbeat'} stopped or never started: stopped, "
+            f"frozen, dead, or hung before {'their' if many else 'its'} first collective); "
+        )
+        head = head.replace("meshspeed: ", "", 1)
+    err = CollectiveTimeout(f"{root}{head}{who}\n  last collectives on this rank:\n{tail}{where}")
+    err.culprits = list(stalled or [])
+    return err

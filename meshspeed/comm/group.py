@@ -8,11 +8,13 @@ check, launches it and returns a Handle whose `wait()` enforces the timeout.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import queue
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -35,6 +37,35 @@ class Stall(Exception):
     def __init__(self, cause: str = ""):
         super().__init__(cause)
         self.cause = cause
+
+
+# What `teardown` ends: every context that made a group, every worker thread (weak references:
+# they hold nothing alive; they only let the end of a process find what is still running).
+_CONTEXTS: weakref.WeakSet = weakref.WeakSet()
+_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def teardown(close_contexts: bool = True) -> None:
+    """End this process's communication in order, before the interpreter's shutdown does it in
+    any order: each live context closed (it meets its peers through the store, then destroys
+    its process groups; `close_contexts=False` skips that meeting, for a process that is exiting
+    anyway), every group's worker thread joined, the default process group destroyed. Safe to
+    call twice; errors are not raised here (the work this process did is already done)."""
+    for ctx in list(_CONTEXTS) if close_contexts else []:
+        try:
+            ctx.close()
+        except Exception:  # a peer already gone: its connections are closed either way
+            pass
+    for w in list(_WORKERS):
+        w.stop(timeout_s=5.0)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # already half torn down: nothing more to do
+            pass
+
+
+atexit.register(teardown, False)  # last resort, for processes that never called it
 
 
 # gloo's words when the other end of a pair went away mid-transfer.
@@ -83,16 +114,25 @@ class _Worker:
     """One daemon thread running a group's asynchronous algorithm collectives in issue order.
 
     Daemon (unlike ThreadPoolExecutor's) so that a collective stuck on a dead peer can never
-    keep the interpreter from exiting.
+    keep the interpreter from exiting. But a daemon thread must not be inside native code when
+    the interpreter shuts down: returning from it then kills the thread by a forced unwind
+    through C++ frames, which aborts the whole process ("terminate called without an active
+    exception"). So it is stopped and joined before shutdown (`stop`, from Group.close and
+    `teardown`), once the collectives it was given have finished.
     """
 
     def __init__(self, name: str):
         self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+        _WORKERS.add(self)
 
     def _loop(self):
         while True:
-            fut, fn = self._q.get()
+            item = self._q.get()
+            if item is None:  # stop(): nothing after it was submitted
+                return
+            fut, fn = item
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
@@ -103,6 +143,14 @@ class _Worker:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._q.put((fut, fn))
         return fut
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Finish what was submitted, end the thread; False if it is still busy after `timeout_s`
+        (a collective stuck on a dead peer: left to the process's exit)."""
+        self._q.put(None)
+        self._thread.join(timeout_s)
+        _WORKERS.discard(self)
+        return not self._thread.is_alive()
 
 
 class Handle:
@@ -177,6 +225,7 @@ class Group:
         self.backend = ctx.backend
         self._worker: _Worker | None = None
         self.algo_choices: dict = {}  # memo of the cost model's algorithm choice per (op, bytes)
+        _CONTEXTS.add(ctx)
 
     @property
     def plain_wait(self) -> bool:
@@ -194,6 +243,14 @@ class Group:
         if self._worker is None:
             self._worker = _Worker(f"meshspeed-{self.name}")
         return self._worker
+
+    def close(self) -> None:
+        """Stop this group's worker thread and drop its process group (the context destroys the
+        process groups once every reference is gone)."""
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+        self.pg = None
 
     def issue(
         self,

@@ -125,9 +125,10 @@ def run_worker(fn, args: tuple = (), report=None) -> int:
     except BaseException as err:  # noqa: BLE001 - every failure ends this rank now, reported
         line, detail = describe_error(err)
         is_echo = bool(getattr(err, "echo", False))
+        culprits = list(getattr(err, "culprits", None) or [])  # a timeout's root cause (desync.py)
         if report is not None:
             with contextlib.suppress(Exception):
-                report.send((line, detail, is_echo))
+                report.send((line, detail, is_echo, culprits))
         elif not is_echo:
             if detail != line:
                 print(detail, file=sys.stderr)
@@ -144,6 +145,11 @@ def _entry(fn, args, rank, nproc, port, env, report, parent_pid):
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     run_worker(fn, args, report)
+    # fn returned: end communication in order (comm.group.teardown) before the interpreter's
+    # own shutdown, which would destroy the process groups and their threads in any order.
+    from meshspeed.comm.group import teardown
+
+    teardown()
     report.close()
 
 
@@ -228,7 +234,11 @@ class _Watch:
         for echo_ok in (False, True) if settled else (False,):
             for r, rep in sorted(self.reports.items()):
                 if rep and rep[2] == echo_ok:
-                    self.first = (r, f"rank {r} failed: {rep[0]}", rep[1] if rep[1] != rep[0] else "")
+                    detail = rep[1] if rep[1] != rep[0] else ""
+                    if len(rep) > 3 and rep[3]:  # a timeout whose root cause is another rank: it first
+                        self.first = (rep[3][0], f"{rep[0]} (reported by rank {r})", detail)
+                    else:
+                        self.first = (r, f"rank {r} failed: {rep[0]}", detail)
                     return
         for r, code in enumerate(codes):
             if code not in (None, 0) and r in self.reports and self.reports[r] is None:

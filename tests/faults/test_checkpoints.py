@@ -86,6 +86,17 @@ def test_truncated_shard_in_named_checkpoint_is_an_error_naming_the_file(start, 
     assert "Traceback" not in job.stderr
 
 
+def test_resume_on_other_data_is_refused_in_one_line(start, trained, tmp_path):
+    run = _copy(trained, tmp_path)
+    resume = ["--checkpoint.resume", "latest", "--data.max_mb", "2"]
+    job = start(RUN2 + ["--train.steps", "6", "--run.dir", str(run)] + resume)
+    assert job.finish(600) == 1
+    line = job.last_line()
+    assert "was trained with data.max_mb=1.0 but this run has data.max_mb=2.0" in line, line
+    assert "--checkpoint.allow_data_change true" in line and "Traceback" not in job.stderr
+    assert [r["step"] for r in metrics(run)] == list(range(4))  # nothing trained on the other data
+
+
 def test_new_run_in_used_run_dir_is_refused_with_one_line(trained, tmp_path):
     run = _copy(trained, tmp_path)
     out = subprocess.run(

@@ -32,6 +32,10 @@ from meshspeed.train.job import prepare_run_dir
 from tests.cli_batch import run_many
 from tests.faults.procs import COMM_TIMEOUT, FAST
 
+# Start-up on a loaded 2-core machine (each worker imports torch) can take minutes: a bound
+# on a hang, not a speed claim.
+BOUND = 600
+
 LONG = FAST + ["--train.steps", "2000", "--run.timeout", str(COMM_TIMEOUT), "--nproc", "2"]
 LONG += ["--parallel.tp", "2"]
 
@@ -39,8 +43,8 @@ LONG += ["--parallel.tp", "2"]
 def test_second_run_on_a_busy_run_dir_is_one_line_naming_the_first(start, tmp_path):
     run = tmp_path / "run"
     first = start(LONG + ["--run.dir", str(run)])
-    workers = first.workers(2)
-    first.wait_rows(run, 2)
+    workers = first.workers(2, timeout=BOUND)
+    first.wait_rows(run, 2, timeout=BOUND)
     (second,) = run_many([["train", *LONG, "--run.dir", str(run), "--checkpoint.resume", "auto"]], tmp_path)
     assert second.returncode == 2, second.stderr[-2000:]
     lines = second.stderr.strip().splitlines()
@@ -48,7 +52,7 @@ def test_second_run_on_a_busy_run_dir_is_one_line_naming_the_first(start, tmp_pa
     owner = f"pid {first.proc.pid} on host {socket.gethostname()}"
     assert f"is in use by another meshspeed train ({owner}" in lines[0], lines[0]
     rows = len((run / "metrics.jsonl").read_text().splitlines())
-    first.wait_rows(run, rows + 2)  # the first run goes on, alone
+    first.wait_rows(run, rows + 2, timeout=BOUND)  # the first run goes on, alone
     os.kill(first.proc.pid, signal.SIGKILL)  # the holder dies without a word: the lock goes with it
     assert first.finish(60) == -signal.SIGKILL
     assert not first.gone(workers)
@@ -106,15 +110,16 @@ def test_a_run_that_would_replace_a_user_file_is_refused_before_it_starts(hf_mod
 
 
 def test_resume_on_other_data_is_refused_unless_asked(tmp_path):
-    state = {"extra": {"config": {"data": {"path": "a.bin", "format": "uint16", "tokenizer": "bytes",
-                                           "max_mb": 8.0}}, "model_config": {"vocab_size": 256}}}  # fmt: skip
-    same = {"data": {"path": "a.bin", "format": "uint16", "tokenizer": "bytes", "max_mb": 8.0}}
-    check_resume_data("ck", state, same, 256)
-    changes = (("path", "b.bin"), ("tokenizer", "/models/llama"), ("format", "uint32"), ("max_mb", 1.0))
+    data = {"path": "", "format": "text", "tokenizer": "bytes", "max_mb": 8.0}
+    state = {"extra": {"config": {"data": data}, "model_config": {"vocab_size": 256}}}
+    check_resume_data("ck", state, {"data": data}, 256)
+    changes = (("path", "b.bin"), ("tokenizer", "/models/llama"), ("format", "uint16"), ("max_mb", 1.0))
     for key, value in changes:
-        other = {"data": {**same["data"], key: value}}
         with pytest.raises(comm.ConfigError, match=rf"data\.{key}=.* but this run has data\.{key}=") as e:
-            check_resume_data("ck", state, other, 256)
+            check_resume_data("ck", state, {"data": {**data, key: value}}, 256)
         assert "--checkpoint.allow_data_change true" in str(e.value) and "\n" not in str(e.value)
+    token_file = {**data, "path": "t.bin"}  # the corpus cap applies to the built-in corpus only
+    saved = {"extra": {"config": {"data": token_file}}}
+    check_resume_data("ck", saved, {"data": {**token_file, "max_mb": 1}}, 256)
     with pytest.raises(comm.ConfigError, match="256-token vocabulary but this run's model has 512"):
-        check_resume_data("ck", state, same, 512)
+        check_resume_data("ck", state, {"data": data}, 512)
