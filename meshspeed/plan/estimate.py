@@ -50,9 +50,9 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     grads = params * 4  # the data-parallel gradient buckets are float32 whatever train.dtype is
     if p.zero >= 2:
         grads = -(-grads // dp)
-    # An fp32 master copy, except where the float32 parameters themselves are the master:
-    # unsharded (zero 0) or, at ZeRO-3, the rank's shard (ZeRO-1/2 clone their slice).
-    master = 4 if b != 4 or p.zero in (1, 2) else 0
+    # An fp32 master copy, except where the float32 parameters themselves are the master (the
+    # bucket at zero 0, its slice at ZeRO-1/2, the rank's shard at ZeRO-3).
+    master = 4 if b != 4 else 0
     opt = params * (8 + master)
     if p.zero >= 1:
         opt = -(-opt // dp)
@@ -63,7 +63,8 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
         param_bytes, gathered = -(-param_bytes // dp), (root + 2 * block) * b
         if dims.pp > 1:  # zero3.held(): the stage's parameters stay gathered through the step
             gathered = params * b
-    s, mb, h, tp = t.seq_len, t.micro_batch_size, model.dim, dims.tp
+    # context parallelism splits each sequence: a rank keeps the activations of its s/cp tokens
+    s, mb, h, tp = t.seq_len // dims.cp, t.micro_batch_size, model.dim, dims.tp
     mode = cfg.memory.recompute
     recompute_layers = cfg.memory.recompute_layers or None  # 0: every layer
     swap = (cfg.memory.swap_layers or model.n_layers) if cfg.memory.swap_activations else 0  # per chunk
@@ -146,7 +147,7 @@ def _features(cfg, model, dims, params: int, opt, acts, buffers, swapped: float)
         opt = 0
     if m.swap_activations and swapped:
         per = attention_swap_bytes(
-            tokens=t.seq_len * t.micro_batch_size,
+            tokens=t.seq_len // dims.cp * t.micro_batch_size,
             n_heads=model.n_heads,
             head_dim=model.head_dim,
             tp=dims.tp,
