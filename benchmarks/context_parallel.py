@@ -12,36 +12,33 @@ Spawns --cp local workers (one torch thread each). For one global sequence of --
   (time of one such shift made with no compute around it). 100%: the transfers cost nothing;
   the blocked time also holds waiting for a slower peer, so this is a lower bound.
 - activation bytes: bytes of the tensors autograd saves in one forward of the whole tiny model
-  (saved-tensor hooks, each storage counted once), single device vs each cp rank: falls as 1/cp.
+  (meshspeed.memory.count_saved: saved-tensor hooks, each storage counted once, parameters and
+  buffers left out), single device vs each cp rank: falls as 1/cp.
 - CUDA: torch's own context_parallel only runs on CUDA; without a GPU it is reported as not run.
 
-    python benchmarks/context_parallel.py [--cp 2] [--seq 2048] [--long]  (--long: 8192 tokens)
+    python -m benchmarks.context_parallel [--cp 2] [--seq 2048] [--long]  (--long: 8192 tokens)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from meshspeed import comm  # noqa: E402
-from meshspeed.models import build_model, get_preset  # noqa: E402
-from meshspeed.models.llama import attention_core  # noqa: E402
-from meshspeed.parallel.context import (  # noqa: E402
+from benchmarks import harness
+from meshspeed import comm
+from meshspeed.memory import count_saved
+from meshspeed.models import build_model, get_preset
+from meshspeed.models.llama import attention_core
+from meshspeed.parallel.context import (
     apply_context_parallel,
     context_parallel,
     kv_replication,
     shard_sequence,
 )
-from meshspeed.parallel.context_comm import RingStats, RingStep  # noqa: E402
+from meshspeed.parallel.context_comm import RingStats, RingStep
 
 
 def rnd(seed, *shape):
@@ -56,28 +53,14 @@ def fwd_bwd(core, q, k, v) -> float:
 
 
 def saved_bytes(model, fn) -> int:
-    """Activation bytes autograd keeps for backward while fn() runs (unique storages; the
-    parameters and buffers it also saves are not activations and are left out)."""
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in own:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Activation bytes autograd keeps for backward after fn() (a forward of model)."""
+    with count_saved(model) as c:
         out = fn()
     del out
-    return sum(seen.values())
+    return c.bytes
 
 
-def step_max(ctx, seconds: float) -> float:
-    return comm.all_reduce(torch.tensor([seconds], dtype=torch.float64), ctx.world, op="max").item()
-
-
-def worker(args, out_path: str) -> None:
+def worker(args, out: str) -> None:
     torch.set_num_threads(1)
     ctx = comm.init("gloo", timeout_s=600)
     cp, seq, h, g, d = ctx.world_size, args.seq, args.heads, args.kv_heads, args.head_dim
@@ -105,22 +88,19 @@ def worker(args, out_path: str) -> None:
         for _ in range(args.steps):
             comm.barrier(ctx.world)
             core.stats = RingStats()
-            times.append(step_max(ctx, fwd_bwd(core, ql, kl, vl)))
+            times.append(harness.rank_max(ctx, fwd_bwd(core, ql, kl, vl)))
             waits.append(core.stats.wait_s / max(core.stats.transfers, 1))
         res["time"][impl] = statistics.median(times)
         if core.ring.size > 1:
             alone = transfer_alone(ctx, core, ql, kl)
-            blocked = step_max(ctx, statistics.median(waits))
+            blocked = harness.rank_max(ctx, statistics.median(waits))
             res.setdefault("hidden", {})[impl] = (max(0.0, 1.0 - blocked / alone), blocked, alone)
         model = build_model(config, seed=0)
         apply_context_parallel(model, core)
         act = saved_bytes(model, lambda: model(shard_sequence(tokens, pos), positions=pos))
-        res["act"][impl] = comm.all_reduce(
-            torch.tensor([act], dtype=torch.float64), ctx.world, op="max"
-        ).item()
+        res["act"][impl] = harness.rank_max(ctx, act)
     if ctx.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(res, f)
+        harness.emit(out, res)
 
 
 def transfer_alone(ctx, core, ql, kl) -> float:
@@ -134,7 +114,7 @@ def transfer_alone(ctx, core, ql, kl) -> float:
         comm.barrier(ctx.world)
         t0 = time.perf_counter()
         RingStep(kv, core.ring, 1, None).wait()
-        times.append(step_max(ctx, time.perf_counter() - t0))
+        times.append(harness.rank_max(ctx, time.perf_counter() - t0))
     return statistics.median(times)
 
 
@@ -171,13 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.long:
         args.seq = 8192
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "res.json")
-        rc = comm.spawn(worker, args.cp, (args, out))
-        if rc:
-            sys.exit(rc)
-        with open(out) as f:
-            report(json.load(f))
+    report(harness.spawn_collect(worker, args.cp, args, name="context_parallel"))
 
 
 if __name__ == "__main__":

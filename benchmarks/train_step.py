@@ -15,13 +15,12 @@ betas (0.9, 0.95), weight decay 0.1 on >= 2-D parameters, no gradient clipping o
 Before timing, each pair's losses on the first two steps are printed and compared (the second
 one checks the optimizer update too); a mismatch is flagged: comparing different computations
 would be worthless. Then, after `--warmup` untimed steps each, the variants of a config run
-interleaved step by step, the order reversed every other step (A B B A ...), `--steps` timed
-steps of each per round. A step's time is the slowest rank's (ranks start each timed step
-together); a round's value is the median of its steps. Reported: the median over rounds, and
-the ratio peer / meshspeed (> 1: meshspeed faster) as the median of the per-round
-ratios, with their range (2-core machines are noisy; read a ratio whose range straddles 1 as
-a tie). Memory is counted, not timed: storage bytes per rank (max over ranks) of optimizer
-state, gradients and parameters held between steps (after opt.step()).
+interleaved step by step (A B B A ..., benchmarks.harness.interleaved_rounds), `--steps` per
+round; a step's time is the slowest rank's, a round's value its median. Reported: the median
+over rounds, and the ratio peer / meshspeed (> 1: meshspeed faster) as the median of the
+per-round ratios, with their range (read a range that straddles 1 as a tie). Memory is counted,
+not timed: storage bytes per rank (max over ranks) of optimizer state, gradients and parameters
+held between steps (after opt.step()).
 
 Known differences, by design of each library (see the printed notes):
   - DTensor TP computes the loss as plain cross-entropy on logits gathered over the vocabulary
@@ -33,10 +32,9 @@ Known differences, by design of each library (see the printed notes):
   - On gloo, torch's reduce_scatter_tensor (what FSDP2 calls) is an all-reduce plus a slice,
     twice the traffic; meshspeed runs its own ring reduce-scatter there. That is the peer's
     real cost on this backend, not the benchmark's choice (on nccl both are native).
-  - DDP is built with gradient_as_bucket_view=True and no per-forward buffer sync (the model's
-    only buffers are constant RoPE tables), its fastest settings; its first bucket is 1 MiB
-    whatever --bucket-mb says. Over DTensor TP it composes through torch's
-    _pre_dp_module_transform (its TP + DDP recipe); with dp = 1 the TP peer has no DDP.
+  - DDP runs at its fastest settings (benchmarks/peers.py); its first bucket is 1 MiB whatever
+    --bucket-mb says. Over DTensor TP it composes through torch's TP + DDP recipe
+    (_pre_dp_module_transform); with dp = 1 the TP peer has no DDP.
   - torch AdamW uses its fused CPU/CUDA kernel by default (the fastest torch has; --peer-adamw).
     meshspeed's ZeroAdamW runs over flat buckets. At zero >= 1 it keeps an fp32 master of its
     slice even for fp32 parameters, which the counted bytes show (torch: moments only).
@@ -45,90 +43,41 @@ Known differences, by design of each library (see the printed notes):
     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (FSDP2). Losses then agree only
     to bf16 precision.
 
-    python benchmarks/train_step.py [--nproc 4] [--model tiny] [--configs dp,zero,tp,tp-sp]
+    python -m benchmarks.train_step [--nproc 4] [--model tiny] [--configs dp,zero,tp,tp-sp]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
-import gc
-import inspect
-import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from meshspeed import comm  # noqa: E402
-from meshspeed.models import build_model, cross_entropy_loss, get_preset, preset_names, recipe_for  # noqa: E402
-from meshspeed.parallel.optim import build_data_parallel  # noqa: E402
-from meshspeed.parallel.tensor import check_tp, model_loss, parallelize  # noqa: E402
+from benchmarks import harness, peers
+from meshspeed import comm
+from meshspeed.models import cross_entropy_loss, get_preset, preset_names, recipe_for
+from meshspeed.parallel.optim import build_data_parallel
+from meshspeed.parallel.tensor import check_tp, model_loss, parallelize
 
 CONFIGS = ("dp", "zero", "tp", "tp-sp")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
-RTOL = {"float32": 1e-5, "bfloat16": 3e-2}  # relative loss tolerance of the equivalence check
-
-
-# ------------------------------------------------------------------------------ counting bytes
-def counted_bytes(tensors) -> int:
-    """Sum of storage sizes over the unique storages behind `tensors` (DTensors: their local
-    shard). Views of one buffer count once; a released (resized-to-0) storage counts 0."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def torch_opt_state(opt) -> list[torch.Tensor]:
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: the local optimizer's state
-    return [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 # ------------------------------------------------------------------------------ runners
-class Runner:
-    """One trainable variant: step(x, y) -> local loss (detached); memory() -> counted bytes."""
-
-    def __init__(self, step, memory, keep):
-        self.step, self.memory, self.keep = step, memory, keep
+# One trainable variant: step(x, y) -> local loss (detached); memory() -> counted bytes; keep: its objects
+Runner = collections.namedtuple("Runner", "step memory keep")
 
 
 def fresh_model(args):
-    cfg = get_preset(args.model)
-    if args.seq_len > cfg.max_seq_len:
-        cfg = get_preset(args.model, max_seq_len=args.seq_len)
-    return build_model(cfg, seed=args.seed)  # fp32; every variant starts from these weights
-
-
-def adamw_groups(model):
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def adamw_kwargs(args) -> dict:
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[
-        args.peer_adamw
-    ]
-    return dict(lr=LR, betas=BETAS, eps=EPS, **impl)
+    return harness.preset_model(args.model, args.seq_len, args.seed)  # fp32; every variant starts from these
 
 
 def autocast(args):
-    if args.dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type="cpu", dtype=DTYPES[args.dtype])
+    bf16 = args.dtype != "float32"
+    return torch.autocast("cpu", dtype=harness.DTYPES[args.dtype]) if bf16 else contextlib.nullcontext()
 
 
 def build_meshspeed(args, mesh, zero: int, tp: int = 1, sp: bool = False) -> Runner:
@@ -137,210 +86,66 @@ def build_meshspeed(args, mesh, zero: int, tp: int = 1, sp: bool = False) -> Run
         recipe = recipe_for(model.config)
         check_tp(tp, recipe)
         parallelize(model, mesh, recipe, sequence_parallel=sp)
+    kw = dict(lr=harness.LR, weight_decay=harness.WD, betas=harness.BETAS, eps=harness.EPS)
     dp, opt = build_data_parallel(
-        model,
-        mesh,
-        zero=zero,
-        bucket_mb=args.bucket_mb,
-        dtype=DTYPES[args.dtype],
-        lr=LR,
-        weight_decay=WD,
-        betas=BETAS,
-        eps=EPS,
+        model, mesh, zero=zero, bucket_mb=args.bucket_mb, dtype=harness.DTYPES[args.dtype], **kw
     )
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = model_loss(model, x, y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
 
     def memory():
         state = [
-            t
-            for st in opt.shards
-            for t in (st.exp_avg, st.exp_avg_sq) + ((st.master,) if st.owns_master else ())
+            t for st in opt.shards for t in (st.exp_avg, st.exp_avg_sq, st.master if st.owns_master else None)
         ]
         grads = [t for b in dp.buckets for t in (b.grad, b.grad_shard)]
-        out = {
-            "state": counted_bytes(state),
-            "grads": counted_bytes(grads),
-            "params": counted_bytes(model.parameters()),
-        }
+        count = harness.storage_bytes
+        out = {"state": count(state), "grads": count(grads), "params": count(model.parameters())}
         # The library's own accounting must agree with the storage count.
         out["api_agrees"] = out["state"] == opt.state_bytes() and out["grads"] == dp.grad_bytes()
         return out
 
-    return Runner(step, memory, (model, dp, opt))
+    return Runner(harness.optimizer_step(opt, lambda x, y: model_loss(model, x, y)), memory, (model, dp, opt))
 
 
-def _torch_step(model, wrapped, opt, args):
-    def step(x, y):
-        opt.zero_grad()
-        with autocast(args):
-            loss = cross_entropy_loss(wrapped(x), y) + model.aux_loss()
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
+def peers_memory(opt) -> dict:
+    return {**peers.counted_bytes(opt), "api_agrees": True}
 
 
-def _torch_memory(model, opt):
-    # The tensors the optimizer trains, not model.parameters(): after a forward,
-    # _pre_dp_module_transform's hook has put fresh (grad-less) Parameter objects on the model.
-    # (ZeroRedundancyOptimizer's param_groups hold every parameter, not only its partition.)
-    params = [p for g in opt.param_groups for p in g["params"]]
+def _torch_runner(args, model, wrapped, opt, cast: bool = True) -> Runner:
+    """A peer's step: the same loss through torch's idioms (autocast for bf16, unless FSDP2's
+    mixed-precision policy casts)."""
 
-    def memory():
-        return {
-            "state": counted_bytes(torch_opt_state(opt)),
-            "grads": counted_bytes(p.grad for p in params),
-            "params": counted_bytes(params),
-            "api_agrees": True,
-        }
+    def loss(x, y):
+        with autocast(args) if cast else contextlib.nullcontext():
+            return cross_entropy_loss(wrapped(x), y) + model.aux_loss()
 
-    return memory
-
-
-def _ddp(model, mesh, args):
-    # peer being compared: torch's own data parallelism
-    from torch.nn.parallel import DistributedDataParallel
-
-    # The only buffers are the constant RoPE tables: no per-forward buffer broadcast (torch 2.13
-    # renamed the switch; broadcast_buffers=False is the older spelling).
-    kw = (
-        {"forward_sync_buffers": False}
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        else {"broadcast_buffers": False}
-    )
-    return DistributedDataParallel(
-        model,
-        process_group=mesh.device_mesh.get_group("dp"),
-        bucket_cap_mb=args.bucket_mb,
-        gradient_as_bucket_view=True,
-        **kw,
-    )
+    return Runner(harness.optimizer_step(opt, loss), lambda: peers_memory(opt), (model, wrapped, opt))
 
 
 def build_ddp(args, mesh) -> Runner:
     model = fresh_model(args)
-    ddp = _ddp(model, mesh, args)
-    opt = torch.optim.AdamW(adamw_groups(model), **adamw_kwargs(args))
-    return Runner(_torch_step(model, ddp, opt, args), _torch_memory(model, opt), (model, ddp, opt))
+    wrapped = peers.ddp(model, mesh.device_mesh.get_group("dp"), args.bucket_mb)
+    return _torch_runner(args, model, wrapped, peers.adamw(model, args.peer_adamw))
 
 
 def build_ddp_zero1(args, mesh) -> Runner:
-    # peer being compared: torch's ZeRO-1 optimizer over DDP
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    model = fresh_model(args)
-    ddp = _ddp(model, mesh, args)
-    opt = ZeroRedundancyOptimizer(
-        adamw_groups(model),
-        optimizer_class=torch.optim.AdamW,
-        process_group=mesh.device_mesh.get_group("dp"),
-        **adamw_kwargs(args),
-    )
-    return Runner(_torch_step(model, ddp, opt, args), _torch_memory(model, opt), (model, ddp, opt))
+    model, group = fresh_model(args), mesh.device_mesh.get_group("dp")
+    wrapped = peers.ddp(model, group, args.bucket_mb)
+    return _torch_runner(args, model, wrapped, peers.zero_redundancy_adamw(model, group, args.peer_adamw))
 
 
 def build_fsdp2(args, mesh) -> Runner:
-    # peer being compared: FSDP2 (torch >= 2.6 exports it from torch.distributed.fsdp)
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-
     model = fresh_model(args)
-    kw = dict(mesh=mesh.device_mesh["dp"], reshard_after_forward=args.fsdp_reshard_after_forward)
-    if args.dtype != "float32":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
-    for layer in model.layers.values():
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    opt = torch.optim.AdamW(adamw_groups(model), **adamw_kwargs(args))
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = cross_entropy_loss(model(x), y) + model.aux_loss()
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return Runner(step, _torch_memory(model, opt), (model, opt))
-
-
-def dtensor_plan(sp: bool, loss_parallel: bool) -> tuple[dict, dict]:
-    """(model-level, per-block) plans: torchtitan's Llama plan, on the projections meshspeed splits."""
-    # peer being compared: DTensor tensor parallelism
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    seq = Shard(1) if sp else Replicate()
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(
-            input_layouts=seq,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    if sp:
-        plan["norm"] = SequenceParallel()
-    layer = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=seq),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-    }
-    if sp:
-        layer.update(
-            {
-                "attention_norm": SequenceParallel(),
-                "ffn_norm": SequenceParallel(),
-                # Attention.forward(x, cos, sin) / FeedForward.forward(x): gather the sequence first.
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-            }
-        )
-    return plan, layer
+    peers.fsdp2(model, mesh.device_mesh["dp"], args.fsdp_reshard_after_forward, harness.DTYPES[args.dtype])
+    return _torch_runner(args, model, model, peers.adamw(model, args.peer_adamw), cast=False)
 
 
 def build_dtensor_tp(args, mesh, sp: bool) -> Runner:
-    # peer being compared: DTensor tensor parallelism (+ DDP over dp, torch's TP+DDP composition)
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+    from torch.distributed.tensor.parallel import loss_parallel
 
-    model = fresh_model(args)
-    if model.config.is_moe:
-        raise NotImplementedError(
-            "this benchmark has no DTensor plan for MoE layers (torchtitan shards experts "
-            "with expert parallelism instead); use a dense --model"
-        )
-    tp_mesh = mesh.device_mesh["tp"]
-    top, layer = dtensor_plan(sp, args.loss_parallel)
-    parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, layer)
+    model = peers.dtensor_tp(fresh_model(args), mesh.device_mesh["tp"], sp, args.loss_parallel)
     wrapped = model
     if mesh["dp"].size > 1:
-        _pre_dp_module_transform(model)
-        wrapped = _ddp(model, mesh, args)
-    opt = torch.optim.AdamW(adamw_groups(model), **adamw_kwargs(args))
+        wrapped = peers.tp_ddp(model, mesh.device_mesh.get_group("dp"), args.bucket_mb)
+    opt = peers.adamw(model, args.peer_adamw)
     lp = loss_parallel if args.loss_parallel else contextlib.nullcontext
 
     def step(x, y):
@@ -354,85 +159,49 @@ def build_dtensor_tp(args, mesh, sp: bool) -> Runner:
         loss = loss.detach()
         return getattr(loss, "full_tensor", lambda: loss)()
 
-    return Runner(step, _torch_memory(model, opt), (model, wrapped, opt))
+    return Runner(step, lambda: peers_memory(opt), (model, wrapped, opt))
 
 
 # ------------------------------------------------------------------------------ configs
 def config_plan(name: str, args):
     """(ParallelDims kwargs, [(key, side, label, builder)], [(row label, ms key, peer key)])."""
     n, tp = args.nproc, args.tp
-    fs = f"FSDP2 (reshard_after_forward={args.fsdp_reshard_after_forward})"
     if name == "dp":
+        ms0 = ("ms0", "meshspeed", "meshspeed zero=0", lambda m: build_meshspeed(args, m, 0))
         return (
             dict(dp=n),
-            [
-                ("ms0", "meshspeed", "meshspeed zero=0", lambda m: build_meshspeed(args, m, 0)),
-                ("ddp", "peer", "DDP", lambda m: build_ddp(args, m)),
-            ],
+            [ms0, ("ddp", "peer", "DDP", lambda m: build_ddp(args, m))],
             [(f"dp={n} zero=0", "ms0", "ddp")],
         )
     if name == "zero":
-        return (
-            dict(dp=n),
-            [
-                ("ms1", "meshspeed", "meshspeed zero=1", lambda m: build_meshspeed(args, m, 1)),
-                ("ms2", "meshspeed", "meshspeed zero=2", lambda m: build_meshspeed(args, m, 2)),
-                ("zro", "peer", "DDP+ZeroRedundancyOptimizer", lambda m: build_ddp_zero1(args, m)),
-                ("fsdp", "peer", fs, lambda m: build_fsdp2(args, m)),
-            ],
-            [
-                (f"dp={n} zero=1", "ms1", "zro"),
-                (f"dp={n} zero=1", "ms1", "fsdp"),
-                (f"dp={n} zero=2", "ms2", "fsdp"),
-            ],
-        )
+        fs = f"FSDP2 (reshard_after_forward={args.fsdp_reshard_after_forward})"
+        variants = [
+            ("ms1", "meshspeed", "meshspeed zero=1", lambda m: build_meshspeed(args, m, 1)),
+            ("ms2", "meshspeed", "meshspeed zero=2", lambda m: build_meshspeed(args, m, 2)),
+            ("zro", "peer", "DDP+ZeroRedundancyOptimizer", lambda m: build_ddp_zero1(args, m)),
+            ("fsdp", "peer", fs, lambda m: build_fsdp2(args, m)),
+        ]
+        rows = [
+            (f"dp={n} zero=1", "ms1", "zro"),
+            (f"dp={n} zero=1", "ms1", "fsdp"),
+            (f"dp={n} zero=2", "ms2", "fsdp"),
+        ]
+        return dict(dp=n), variants, rows
     sp = name == "tp-sp"
-    dims = dict(dp=n // tp, tp=tp)
     tag = (f"dp={n // tp} tp={tp}" if n % tp == 0 else f"tp={tp}") + (" sp" if sp else "")
-    peer = (
-        "DTensor TP"
-        + ("+SP" if sp else "")
-        + (" +DDP" if n // tp > 1 else "")
-        + (" loss_parallel" if args.loss_parallel else "")
-    )
-    return (
-        dims,
-        [
-            (
-                "mstp",
-                "meshspeed",
-                "meshspeed parallelize" + (" sp" if sp else ""),
-                lambda m: build_meshspeed(args, m, 0, tp, sp),
-            ),
-            ("dttp", "peer", peer, lambda m: build_dtensor_tp(args, m, sp)),
-        ],
-        [(tag, "mstp", "dttp")],
-    )
+    peer = "DTensor TP" + ("+SP" if sp else "") + (" +DDP" if n // tp > 1 else "")
+    peer += " loss_parallel" if args.loss_parallel else ""
+    ours = "meshspeed parallelize" + (" sp" if sp else "")
+    variants = [
+        ("mstp", "meshspeed", ours, lambda m: build_meshspeed(args, m, 0, tp, sp)),
+        ("dttp", "peer", peer, lambda m: build_dtensor_tp(args, m, sp)),
+    ]
+    return dict(dp=n // tp, tp=tp), variants, [(tag, "mstp", "dttp")]
 
 
 def _short(err: BaseException) -> str:
     msg = " ".join(str(err).split()) or type(err).__name__
     return f"{type(err).__name__}: {msg}"[:160]
-
-
-def agree(ctx, ok: bool) -> bool:
-    """True when every rank says ok (so all ranks skip a failed variant together)."""
-    if ctx.world_size == 1:
-        return ok
-    return bool(comm.all_reduce(torch.tensor([1.0 if ok else 0.0]), ctx.world, "min").item())
-
-
-def batches(args, vocab: int, dp_rank: int, dp: int, n: int = 4):
-    """n global batches [batch, seq+1] of random tokens; this dp rank's rows of each."""
-    g = torch.Generator().manual_seed(args.seed + 1)
-    out = []
-    rows = args.batch // dp
-    for _ in range(n):
-        t = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g)[
-            dp_rank * rows : (dp_rank + 1) * rows
-        ]
-        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
-    return out
 
 
 def run_config(ctx, name: str, args, log) -> dict:
@@ -445,7 +214,9 @@ def run_config(ctx, name: str, args, log) -> dict:
         }
     mesh = comm.ParallelDims(**dims).build(ctx)
     dp = mesh["dp"]
-    data = batches(args, get_preset(args.model).vocab_size, mesh.coords["dp"], dp.size)
+    data = harness.token_batches(
+        args.seed, get_preset(args.model).vocab_size, args.batch, args.seq_len, mesh.coords["dp"], dp.size
+    )
     res: dict = {}
     runners: dict = {}
     for key, side, label, build in variants:
@@ -453,55 +224,38 @@ def run_config(ctx, name: str, args, log) -> dict:
         try:
             torch.manual_seed(args.seed)
             runners[key] = build(mesh)
-            losses = []
-            for i in range(2):  # step 1: same weights, same batch; step 2: after one AdamW update
-                loss = runners[key].step(*data[i]).float().reshape(1).clone()
-                losses.append(comm.all_reduce(loss, dp, "avg").item())
-            res[key]["losses"] = losses
+            res[key]["losses"] = harness.first_losses(runners[key].step, data, dp)
             res[key]["memory"] = runners[key].memory()
             err = None
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run on this torch is a table row
+        except Exception as e:  # a peer that cannot run on this torch is a table row, not the end
             err = _short(e)
             if ctx.rank == 0 and args.verbose:
                 traceback.print_exc()
-        if not agree(ctx, err is None):
+        if not harness.all_ranks_ok(ctx, err is None):
             res[key]["error"] = err or "failed on another rank"
             runners.pop(key, None)
             continue
         mem = res[key]["memory"]
         for k in ("state", "grads", "params"):  # per rank, the largest
-            mem[k] = int(
-                comm.all_reduce(torch.tensor([float(mem[k])], dtype=torch.float64), ctx.world, "max").item()
-            )
-    alive = [k for k, *_ in variants if k in runners]
-    for key in alive:
+            mem[k] = int(harness.rank_max(ctx, mem[k]))
+    for runner in runners.values():
         for i in range(args.warmup):
-            runners[key].step(*data[i % len(data)])
-        res[key]["times_ms"] = []
-    for r in range(args.rounds):
-        local: dict[str, list[float]] = {key: [] for key in alive}
-        gc.collect()
-        gc.disable()
-        for s in range(args.steps):
-            # Interleaved step by step, the order reversed every other step (A B B A ...): a
-            # slow spell of the machine (seconds long on 2 shared cores) hits every variant alike.
-            for key in alive if (r * args.steps + s) % 2 == 0 else alive[::-1]:
-                comm.barrier(ctx.world)  # every rank starts the step together
-                t0 = time.perf_counter()
-                runners[key].step(*data[s % len(data)])
-                local[key].append(time.perf_counter() - t0)
-        gc.enable()
-        for key in alive:
-            # A step takes as long as its slowest rank; a round's value is its median step.
-            slowest = comm.all_reduce(torch.tensor(local[key], dtype=torch.float64), ctx.world, "max")
-            res[key]["times_ms"].append(statistics.median(slowest.tolist()) * 1e3)
-        log(f"  {name}: round {r + 1}/{args.rounds} done")
+            runner.step(*data[i % len(data)])
+    times = harness.interleaved_rounds(
+        ctx,
+        {key: r.step for key, r in runners.items()},
+        lambda s: data[s % len(data)],
+        args.rounds,
+        args.steps,
+        on_round=lambda r: log(f"  {name}: round {r + 1}/{args.rounds} done"),
+    )
+    for key, ms in times.items():
+        res[key]["times_ms"] = ms
     runners.clear()
-    gc.collect()
     return {"variants": res, "rows": rows}
 
 
-def worker(args_dict: dict, out_path: str) -> None:
+def worker(args_dict: dict, out: str) -> None:
     args = argparse.Namespace(**args_dict)
     torch.manual_seed(args.seed)
     ctx = comm.init()
@@ -514,8 +268,7 @@ def worker(args_dict: dict, out_path: str) -> None:
             results[name] = run_config(ctx, name, args, log)
             log(f"[{name}] {time.perf_counter() - t0:.1f} s")
         if ctx.rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
+            harness.emit(out, results)
     finally:
         ctx.close()
 
@@ -525,9 +278,14 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 2**20:8.3f} MiB"
 
 
+def _cell(x: float | None, spec: str) -> str:
+    """x formatted, or "-" in the same width when there is no x."""
+    return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0]))
+
+
 def report(results: dict, args) -> tuple[list[dict], bool]:
     tokens = args.batch * args.seq_len
-    rtol = RTOL[args.dtype]
+    rtol = harness.RTOL[args.dtype]
     rows_out, mismatch = [], False
     print("\nloss check (global mean loss of steps 1 and 2; step 2 follows one AdamW update):")
     for name, cfg in results.items():
@@ -536,13 +294,12 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
             if a.get("error") or b.get("error"):
                 print(f"  {tag:<20} {a['label']} vs {b['label']}: not compared (a variant failed)")
                 continue
-            diffs = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a["losses"], b["losses"])]
-            bad = max(diffs) > rtol
-            mismatch |= bad
+            diff = harness.rel_diff(a["losses"], b["losses"])
+            mismatch |= diff > rtol
             print(
                 f"  {tag:<20} {a['label']:<26} {a['losses'][0]:.6f} {a['losses'][1]:.6f}   "
                 f"{b['label']:<34} {b['losses'][0]:.6f} {b['losses'][1]:.6f}   "
-                f"{'MISMATCH' if bad else 'ok'} (max rel diff {max(diffs):.1e}, tol {rtol:.0e})"
+                f"{'MISMATCH' if diff > rtol else 'ok'} (max rel diff {diff:.1e}, tol {rtol:.0e})"
             )
     print(
         f"\ntraining step, {args.model} {args.dtype}, global batch {args.batch} x seq {args.seq_len} "
@@ -558,41 +315,23 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
     for name, cfg in results.items():
         for tag, ms_key, peer_key in cfg["rows"]:
             a, b = cfg["variants"][ms_key], cfg["variants"][peer_key]
-            row = {
-                "config": tag,
-                "meshspeed": a["label"],
-                "peer": b["label"],
-                "meshspeed_ms": None,
-                "peer_ms": None,
-                "ratio": None,
-                "error": a.get("error") or b.get("error"),
-            }
             ta, tb = a.get("times_ms"), b.get("times_ms")
-            ms_txt = f"{statistics.median(ta):8.2f}" if ta else f"{'-':>8}"
-            peer_txt = f"{statistics.median(tb):8.2f}" if tb else f"{'-':>8}"
-            if ta:
-                row["meshspeed_ms"] = statistics.median(ta)
-                row["meshspeed_rounds_ms"] = ta
-            if tb:
-                row["peer_ms"] = statistics.median(tb)
-                row["peer_rounds_ms"] = tb
+            row = {"config": tag, "meshspeed": a["label"], "peer": b["label"], "ratio": None}
+            row["error"] = a.get("error") or b.get("error")
+            row["meshspeed_ms"], row["peer_ms"] = (statistics.median(t) if t else None for t in (ta, tb))
+            for key, t in (("meshspeed_rounds_ms", ta), ("peer_rounds_ms", tb)):
+                if t:
+                    row[key] = t
             if ta and tb:
-                ratios = [y / x for x, y in zip(ta, tb)]
-                row["ratio"] = statistics.median(ratios)
-                row["ratio_range"] = [min(ratios), max(ratios)]
-                tail = (
-                    f"{row['ratio']:15.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>12} "
-                    f"{tokens / row['meshspeed_ms'] * 1e3:9.0f} {tokens / row['peer_ms'] * 1e3:10.0f}"
-                )
-            else:
-                tail = (
-                    f"{'-':>15} {'-':>12} "
-                    + (f"{tokens / row['meshspeed_ms'] * 1e3:9.0f}" if ta else f"{'-':>9}")
-                    + f" {'-':>10}"
-                )
-            peer_label = b["label"] if not b.get("error") else f"{b['label']} FAILED"
-            ms_label = a["label"] if not a.get("error") else f"{a['label']} FAILED"
-            print(f"{tag:<18} {ms_label:<24} {ms_txt}   {peer_label:<36} {peer_txt} {tail}")
+                row["ratio"], *row["ratio_range"] = harness.ratio(ta, tb)
+            rng = "{:.2f}-{:.2f}".format(*row["ratio_range"]) if row["ratio"] else "-"
+            ms, peer = row["meshspeed_ms"], row["peer_ms"]
+            tps = [_cell(tokens / t * 1e3 if t else None, f) for t, f in ((ms, "9.0f"), (peer, "10.0f"))]
+            labels = [s["label"] + (" FAILED" if s.get("error") else "") for s in (a, b)]
+            print(
+                f"{tag:<18} {labels[0]:<24} {_cell(ms, '8.2f')}   {labels[1]:<36} {_cell(peer, '8.2f')} "
+                f"{_cell(row['ratio'], '15.2f')} {rng:>12} {tps[0]} {tps[1]}"
+            )
             for side in (a, b):
                 if side.get("error"):
                     print(f"{'':<18}   ^ {side['label']}: {side['error']}")
@@ -600,8 +339,7 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
     print("ratio = peer / meshspeed step time (> 1: meshspeed faster); range: lowest-highest per-round ratio")
     print(
         "\ncounted bytes per rank (max over ranks), held between steps: storage of optimizer state, "
-        "gradients, "
-        f"parameters ({args.model}, {args.dtype})"
+        f"gradients, parameters ({args.model}, {args.dtype})"
     )
     mhdr = f"{'config':<14} {'variant':<38} {'opt state':>13} {'grads':>13} {'params':>13} {'total':>13}"
     print(mhdr)
@@ -618,98 +356,70 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
                 f"{dims:<14} {v['label']:<38} {_fmt_bytes(m['state'])} {_fmt_bytes(m['grads'])} "
                 f"{_fmt_bytes(m['params'])} {_fmt_bytes(total)}{flag}"
             )
-            rows_out.append(
-                {
-                    "config": dims,
-                    "variant": v["label"],
-                    "side": v["side"],
-                    "state_bytes": m["state"],
-                    "grad_bytes": m["grads"],
-                    "param_bytes": m["params"],
-                }
-            )
+            row = {"config": dims, "variant": v["label"], "side": v["side"], "state_bytes": m["state"]}
+            rows_out.append(dict(row, grad_bytes=m["grads"], param_bytes=m["params"]))
     if mismatch:
-        print(
-            "\n(!) LOSS MISMATCH: a meshspeed variant and its peer computed different losses; "
-            "their times are not comparable"
-        )
+        print("\n" + harness.mismatch_note("a meshspeed variant and its peer"))
     return rows_out, mismatch
 
 
 def parse_args(argv):
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(
-        description=doc[0], epilog="\n\n".join(doc[1:]), formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--nproc", type=int, default=4, help="local gloo worker processes (default 4)")
-    p.add_argument("--model", default="tiny", choices=preset_names(), help="model preset (default tiny)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype (default float32)")
-    p.add_argument(
-        "--batch", type=int, default=16, help="global batch in sequences, split over dp (default 16)"
-    )
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument(
+    p = harness.parser(__doc__)
+    add = p.add_argument
+    add("--nproc", type=int, default=4, help="local gloo worker processes (default 4)")
+    add("--model", default="tiny", choices=preset_names(), help="model preset (default tiny)")
+    add("--dtype", default="float32", choices=list(harness.DTYPES), help="compute dtype (default float32)")
+    add("--batch", type=int, default=16, help="global batch in sequences, split over dp (default 16)")
+    add("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    add(
         "--steps",
         type=int,
         default=6,
-        help="timed steps per variant per round; the round's value is their median (default 6)",
+        help="timed steps per variant per round, their median kept (default 6)",
     )
-    p.add_argument(
-        "--rounds", type=int, default=8, help="interleaved rounds; the median is reported (default 8)"
-    )
-    p.add_argument(
-        "--warmup", type=int, default=3, help="untimed steps per variant before the rounds (default 3)"
-    )
-    p.add_argument(
+    add("--rounds", type=int, default=8, help="interleaved rounds; the median is reported (default 8)")
+    add("--warmup", type=int, default=3, help="untimed steps per variant before the rounds (default 3)")
+    add(
         "--tp",
         type=int,
         default=2,
         help="tensor-parallel degree of the tp configs (default 2; dp = nproc/tp)",
     )
-    p.add_argument(
-        "--bucket-mb", type=float, default=25.0, help="gradient bucket MiB, meshspeed and DDP (default 25)"
-    )
-    p.add_argument(
-        "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}"
-    )
-    p.add_argument(
+    add("--bucket-mb", type=float, default=25.0, help="gradient bucket MiB, meshspeed and DDP (default 25)")
+    add("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    add(
         "--peer-adamw",
         default="fused",
-        choices=["fused", "foreach", "for-loop"],
-        help="torch AdamW implementation for the peers (default fused, torch's fastest)",
+        choices=list(peers.ADAMW_IMPLS),
+        help="peers' torch AdamW (default fused)",
     )
-    p.add_argument(
+    add(
         "--fsdp-reshard-after-forward",
         type=lambda s: s.lower() in ("1", "true", "yes"),
         default=False,
         metavar="BOOL",
         help="FSDP2's reshard_after_forward (default false: ZeRO-2-like traffic; true: ZeRO-3)",
     )
-    p.add_argument(
+    add(
         "--loss-parallel",
         action="store_true",
         help="DTensor peer computes the loss with torch's loss_parallel() (vocab-parallel, like meshspeed) "
         "instead of cross-entropy on gathered logits",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--json", metavar="FILE", help="write the rows (timings, ratios, counted bytes, settings) here"
-    )
-    p.add_argument("--verbose", action="store_true", help="print tracebacks of variants that fail")
+    add("--seed", type=int, default=0)
+    add("--json", metavar="FILE", help="write the rows (timings, ratios, counted bytes, settings) here")
+    add("--verbose", action="store_true", help="print tracebacks of variants that fail")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:
         p.error(f"--configs: unknown {', '.join(bad)}; valid: {', '.join(CONFIGS)}")
-    for k in ("nproc", "batch", "seq_len", "steps", "rounds", "tp"):
-        if getattr(args, k) < 1:
-            p.error(f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1")
+    harness.require_positive(p, args, "nproc", "batch", "seq_len", "steps", "rounds", "tp")
     if args.warmup < 0:
         p.error(f"--warmup={args.warmup} must be >= 0")
     if args.batch % args.nproc:
         p.error(
-            f"--batch={args.batch} must be a multiple of --nproc={args.nproc} "
-            "(each dp rank takes batch/dp rows)"
+            f"--batch={args.batch} must be a multiple of --nproc={args.nproc} (dp ranks take batch/dp rows)"
         )
     if "tp-sp" in args.configs and args.seq_len % args.tp:
         p.error(f"--seq-len={args.seq_len} must be a multiple of --tp={args.tp} for sequence parallelism")
@@ -724,29 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         f"configs {','.join(args.configs)}",
         flush=True,
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        code = comm.spawn(worker, args.nproc, (vars(args), out))
-        if code or not os.path.exists(out):
-            print("train_step benchmark: the workers failed (see above)", file=sys.stderr)
-            return code or 1
-        with open(out) as f:
-            results = json.load(f)
+    results = harness.spawn_collect(worker, args.nproc, vars(args), name="train_step benchmark")
     rows, mismatch = report(results, args)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                    "torch": torch.__version__,
-                    "loss_mismatch": mismatch,
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
-        print(f"rows written to {args.json}")
+        harness.write_json(args.json, "rows", args, loss_mismatch=mismatch, rows=rows)
     return 0
 
 
