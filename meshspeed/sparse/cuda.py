@@ -1,8 +1,11 @@
 """2:4 sparse tensor-core path: which layers can take it (and why not), and the compressed-weight cache.
 
-The kernels come from torch.sparse.to_sparse_semi_structured: cuSPARSELt when available, else CUTLASS
-(or CUTLASS when SparseSemiStructuredTensor._FORCE_CUTLASS is set). Both need CUDA sm80+, fp16/bf16,
-a 2-D contiguous weight whose rows and columns are multiples of the backend's minimum tile.
+Two backends. cuSPARSELt (where torch has it): torch's low-level ops (cslt_ops.py), the compressed
+W~ and W~^T from one fused Triton kernel (kernels.py), the algorithm searched once per product
+shape, and each product placed sparse or dense-masked by measurement (choice.py). CUTLASS (torch
+builds without cuSPARSELt, or SparseSemiStructuredTensor._FORCE_CUTLASS): torch.sparse's
+semi-structured tensor, as before. Both need CUDA sm80+, fp16/bf16, a 2-D plain weight whose rows
+and columns are multiples of the backend's minimum tile.
 
 The decision is a pure function of plain values (`decide_path`) so it is unit-tested on CPU; the
 kernel-calling code is small and guarded, and runs only when the decision says so.
@@ -19,6 +22,7 @@ SPARSE = "sparse-2:4"  # forward and input-gradient matmuls on sparse tensor cor
 SPARSE_FWD = (
     "sparse-2:4-fwd"  # forward sparse; input gradient dense-masked (mask not transposable / W^T misfit)
 )
+SPARSE_DGRAD = "sparse-2:4-dgrad"  # input gradient sparse; forward dense-masked (measured faster)
 DENSE_MASKED = "dense-masked"  # F.linear on weight * mask: same math, dense kernels
 DENSE = "dense"  # layer currently dense (warmup, dense finish, or not yet sparsified by the schedule)
 
@@ -156,6 +160,7 @@ class CompressedWeight:
         self.key: tuple | None = None
         self.w: torch.Tensor | None = None  # [out, in] compressed
         self.wt: torch.Tensor | None = None  # [in, out] compressed, or None
+        self.wm: torch.Tensor | None = None  # [out, in] dense W * mask, for products left dense
         self.rebuilds = 0
 
     def get(
@@ -179,8 +184,35 @@ class CompressedWeight:
             self.rebuilds += 1
         return self.w, self.wt
 
+    def prepare(self, weight, mask, mask_counter: int, dtype: torch.dtype, choice, ops):
+        """(compressed W~ or None, compressed W~^T or None, dense W~ or None) for a KernelChoice:
+        what its sparse products read from `ops` and its dense ones read (the dense W~, built
+        once per step instead of once per product). Same key and invalidation as `get`."""
+        key = (
+            weight.data_ptr(),
+            weight._version,
+            mask.data_ptr(),
+            mask._version,
+            mask_counter,
+            dtype,
+            choice.fwd,
+            choice.dgrad,
+            id(ops),
+        )
+        if key != self.key:
+            self.clear()  # the old operands go before the new ones are made (peak memory)
+            with torch.no_grad():
+                if choice.any_sparse:
+                    out = ops.compress(weight.detach(), mask, dtype, want_w=choice.fwd, want_t=choice.dgrad)
+                    self.w, self.wt = out.w, out.wt
+                if not (choice.fwd and choice.dgrad):
+                    self.wm = weight.detach().to(dtype) * mask  # [out, in]
+            self.key = key
+            self.rebuilds += 1
+        return self.w, self.wt, self.wm
+
     def clear(self) -> None:
-        self.key = self.w = self.wt = None
+        self.key = self.w = self.wt = self.wm = None
 
 
 def invalidate_compressed(model: torch.nn.Module) -> int:

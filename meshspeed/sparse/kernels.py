@@ -4,32 +4,24 @@
     out = mask_and_compress(weight, mask, dtype=torch.bfloat16)   # the mask given (every other step)
     out.w, out.wt, out.mask  # compressed W [R, C] and W^T [C, R] (cslt_layout), bool mask [R, C]
 
-Each program reads a [64, 128] tile of W once (4x4 blocks as sixteen [rows, cols/4, 2] planes),
-picks each block's pattern with the same float32 addition tree and tie-break as
-transposable.transposable_2to4_mask (so the mask is equal bit for bit), and writes the mask, W's
-kept values and metadata, and W^T's: its groups of four run down W's columns, so the W^T
-metadata byte pairs columns c and c + 8 of a 16-column slab (the reshape/permute below).
-
-The kernel runs compiled on CUDA and through Triton's interpreter on CPU tensors (how the tests
-check it; also with TRITON_INTERPRET=1). mask_and_compress_reference is the same computation in
-plain torch, the oracle of the tests and the fallback where Triton is missing.
+The kernel (sparse24_triton.py, imported on first use) reads each [64, 128] tile of W once and
+writes the mask and both compressed operands; its mask equals patterns.mask_reference bit for
+bit and its compression cslt_layout.compress_reference. It runs compiled on CUDA and through
+Triton's interpreter on CPU tensors (how the tests check it; also with TRITON_INTERPRET=1).
+mask_and_compress_reference is the same computation in plain torch, the oracle of the tests and
+the fallback where Triton is missing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import NamedTuple
 
 import torch
 
 from meshspeed.sparse import cslt_layout
-from meshspeed.sparse.transposable import PATTERN_PAIRS, ROW_PAIRS, transposable_2to4_mask
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with CUDA torch; CPU builds may lack it
-    triton = tl = None
+from meshspeed.sparse.patterns import PATTERN_PAIRS, ROW_PAIRS, mask_reference
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -38,110 +30,6 @@ class Sparse24(NamedTuple):
     w: torch.Tensor | None  # compressed W, 1-D (cslt_layout), or None when not asked for
     wt: torch.Tensor | None  # compressed W^T
     mask: torch.Tensor  # bool [R, C]
-
-
-if tl is not None:
-    _PATTERNS = tl.constexpr(PATTERN_PAIRS)
-    _PAIRS = tl.constexpr(ROW_PAIRS)
-    _INF = tl.constexpr(float("inf"))
-
-
-def _sparse24_kernel(
-    w_ptr, stride_w, m_ptr, tab_ptr, vals_ptr, meta_ptr, valst_ptr, metat_ptr, R, C,
-    COMPUTE_MASK: tl.constexpr, DO_W: tl.constexpr, DO_T: tl.constexpr, TG: tl.constexpr, TC: tl.constexpr,
-):  # fmt: skip
-    # Tile: 16*TG rows x TC cols. Planes are [2TG, TC/4, 2]: u = (16-row slab, 4-row half), j = 4-col
-    # group, h = which 8-row half of the 16-row slab (the two rows whose W nibbles share a byte).
-    row0 = tl.program_id(0) * 16 * TG
-    col0 = tl.program_id(1) * TC
-    u = tl.arange(0, 2 * TG)[:, None, None]
-    j = tl.arange(0, TC // 4)[None, :, None]
-    h = tl.arange(0, 2)[None, None, :]
-    rowb = row0 + 16 * (u // 2) + 8 * h + 4 * (u % 2)  # first row of the 4x4 block
-    colb = col0 + 4 * j  # first column of the 4x4 block
-    w_at = w_ptr + rowb * stride_w + colb
-    m_at = m_ptr + rowb * C + colb
-    x = ()
-    for k in tl.static_range(16):
-        x = x + (tl.load(w_at + (k // 4) * stride_w + k % 4),)
-    xo = ()  # the values in the output dtype
-    for k in tl.static_range(16):
-        if x[k].dtype == tl.float32 and vals_ptr.dtype.element_ty == tl.bfloat16:
-            # round to nearest even by hand, as torch and the GPU do: the interpreter truncates
-            b = x[k].to(tl.uint32, bitcast=True)
-            b = tl.where(x[k] != x[k], 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
-            xo = xo + (b.to(tl.uint16).to(tl.bfloat16, bitcast=True),)
-        else:
-            xo = xo + (x[k].to(vals_ptr.dtype.element_ty),)
-    m = ()  # kept bits, index 4 * row + col within the block
-    if COMPUTE_MASK:
-        a = ()  # |W| in float32, NaN as +inf (transposable.py does the same)
-        for k in tl.static_range(16):
-            ak = tl.abs(x[k].to(tl.float32))
-            a = a + (tl.where(ak != ak, _INF, ak),)
-        p = ()  # p[r][i]: sum of row r's pair i, in ROW_PAIRS order
-        for r in tl.static_range(4):
-            pr = ()
-            for i in tl.static_range(6):
-                pr = pr + (a[4 * r + _PAIRS[i][0]] + a[4 * r + _PAIRS[i][1]],)
-            p = p + (pr,)
-        s01 = ()  # (row 0 pair + row 1 pair) and (row 2 pair + row 3 pair): 36 each, all used
-        s23 = ()
-        for i in tl.static_range(36):
-            s01 = s01 + (p[0][i // 6] + p[1][i % 6],)
-            s23 = s23 + (p[2][i // 6] + p[3][i % 6],)
-        best = s01[_PATTERNS[0][0] * 6 + _PATTERNS[0][1]] + s23[_PATTERNS[0][2] * 6 + _PATTERNS[0][3]]
-        chosen = tl.full(best.shape, 0, tl.int32)
-        for q in tl.static_range(1, 90):
-            s = s01[_PATTERNS[q][0] * 6 + _PATTERNS[q][1]] + s23[_PATTERNS[q][2] * 6 + _PATTERNS[q][3]]
-            take = s > best  # strict: ties keep the first pattern, as torch.argmax
-            best = tl.where(take, s, best)
-            chosen = tl.where(take, q, chosen)
-        bits = tl.load(tab_ptr + chosen)  # pattern q's kept bits, bit 4 * row + col
-        for k in tl.static_range(16):
-            bit = ((bits >> k) & 1) != 0
-            m = m + (bit,)
-            tl.store(m_at + (k // 4) * C + k % 4, bit.to(tl.uint8))
-    else:
-        for k in tl.static_range(16):
-            m = m + (tl.load(m_at + (k // 4) * C + k % 4) != 0,)
-    if DO_W:
-        u2 = tl.arange(0, 2 * TG)[:, None]
-        g = col0 // 4 + tl.arange(0, TC // 4)[None, :]
-        rl = row0 + 16 * (u2 // 2) + 4 * (u2 % 2)  # row 0 of the block, upper 8-row half
-        meta_at = meta_ptr + (rl // 64) * 8 * C + ((rl % 64) // 16) * 64 + (rl % 8) * 8
-        meta_at += (g // 8) * 256 + 2 * (g % 4) + (g % 8) // 4
-        vals_at = vals_ptr + rowb * (C // 2) + colb // 2
-        for r in tl.static_range(4):
-            lo = tl.where(m[4 * r], 0, tl.where(m[4 * r + 1], 1, 2))
-            hi = tl.where(m[4 * r + 3], 3, tl.where(m[4 * r + 2], 2, 1))
-            v_lo = tl.where(lo == 0, xo[4 * r], tl.where(lo == 1, xo[4 * r + 1], xo[4 * r + 2]))
-            v_hi = tl.where(hi == 3, xo[4 * r + 3], tl.where(hi == 2, xo[4 * r + 2], xo[4 * r + 1]))
-            tl.store(vals_at + r * (C // 2), v_lo)
-            tl.store(vals_at + r * (C // 2) + 1, v_hi)
-            n_top, n_bot = tl.split(lo | (hi << 2))  # rows r and r + 8 of the 16-row slab
-            tl.store(meta_at + 8 * r, (n_top | (n_bot << 4)).to(tl.uint8))
-    if DO_T:
-        u4 = tl.arange(0, 2 * TG)[:, None, None, None]
-        jg = tl.arange(0, TC // 16)[None, :, None, None]
-        t4 = tl.arange(0, 2)[None, None, :, None]
-        h4 = tl.arange(0, 2)[None, None, None, :]
-        gt = (row0 + 16 * (u4 // 2) + 8 * h4 + 4 * (u4 % 2)) // 4  # W^T group = W block row
-        rt = col0 + 16 * jg + 4 * t4  # W^T row = W column (c = 0, upper 8-row half)
-        metat_at = metat_ptr + (rt // 64) * 8 * R + ((rt % 64) // 16) * 64 + (rt % 8) * 8
-        metat_at += (gt // 8) * 256 + 2 * (gt % 4) + (gt % 8) // 4
-        valst_at = valst_ptr + colb * (R // 2) + rowb // 2
-        for c in tl.static_range(4):
-            lo = tl.where(m[c], 0, tl.where(m[4 + c], 1, 2))
-            hi = tl.where(m[12 + c], 3, tl.where(m[8 + c], 2, 1))
-            v_lo = tl.where(lo == 0, xo[c], tl.where(lo == 1, xo[4 + c], xo[8 + c]))
-            v_hi = tl.where(hi == 3, xo[12 + c], tl.where(hi == 2, xo[8 + c], xo[4 + c]))
-            tl.store(valst_at + c * (R // 2), v_lo)
-            tl.store(valst_at + c * (R // 2) + 1, v_hi)
-            # W^T rows colb + c and colb + c + 8 (groups j and j + 2 of a 16-column slab) share a byte
-            nib = tl.reshape(lo | (hi << 2), [2 * TG, TC // 16, 2, 2, 2])  # [u, slab, half, t, h]
-            n_top, n_bot = tl.split(tl.permute(nib, (0, 1, 3, 4, 2)))
-            tl.store(metat_at + 8 * c, (n_top | (n_bot << 4)).to(tl.uint8))
 
 
 _compiled: dict[bool, object] = {}
@@ -159,17 +47,22 @@ def _pattern_bits(device: torch.device) -> torch.Tensor:
 def _kernel(interpret: bool):
     """The kernel compiled for CUDA, or run by Triton's interpreter (CPU tensors)."""
     if interpret not in _compiled:
+        import triton
+
+        from meshspeed.sparse.sparse24_triton import sparse24_kernel
+
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
-            _compiled[interpret] = InterpretedFunction(_sparse24_kernel)
+            _compiled[interpret] = InterpretedFunction(sparse24_kernel)
         else:
-            _compiled[interpret] = triton.jit(_sparse24_kernel)
+            _compiled[interpret] = triton.jit(sparse24_kernel)
     return _compiled[interpret]
 
 
 def available() -> bool:
-    return triton is not None
+    """Whether Triton is installed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _check(weight: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -198,7 +91,7 @@ def mask_and_compress(
     (and along columns when want_t). `tile` = (16-row slabs, columns) per program."""
     dtype = dtype or weight.dtype
     _check(weight, mask, dtype)
-    if triton is None:
+    if not available():
         return mask_and_compress_reference(weight, mask, dtype=dtype, want_w=want_w, want_t=want_t)
     rows, cols = weight.shape
     tg, tc = tile
@@ -239,11 +132,11 @@ def mask_and_compress_reference(
     want_w: bool = True,
     want_t: bool = True,
 ) -> Sparse24:
-    """mask_and_compress in plain torch: transposable_2to4_mask + cslt_layout.compress_reference."""
+    """mask_and_compress in plain torch: patterns.mask_reference + cslt_layout.compress_reference."""
     dtype = dtype or weight.dtype
     _check(weight, mask, dtype)
     w = weight.detach()
-    mask = transposable_2to4_mask(w) if mask is None else mask.bool()
+    mask = mask_reference(w.abs()) if mask is None else mask.bool()
     wd = w.to(dtype)
     out_w = cslt_layout.compress_reference(wd, mask) if want_w else None
     out_t = cslt_layout.compress_reference(wd.t().contiguous(), mask.t().contiguous()) if want_t else None

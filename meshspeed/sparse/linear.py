@@ -9,6 +9,11 @@ Gradients (W~ = W * mask, the weight the forward used):
     grad_W = grad_y^T @ x + lambda * (1 - mask) * W   (STE: dense gradient everywhere; SR-STE decay)
     grad_b = sum(grad_y)
 The dense gradient at pruned positions is what RigL's growth criterion reads.
+
+On cuSPARSELt each of y and grad_x runs sparse or dense-masked as `kernel_mode` says ('sparse':
+every product that can; 'auto': as measured at the layer's first forward, choice.py; 'dense':
+none); `kernel_choice` records the choice. The library default is 'sparse' (what the layer did
+before the choice existed); the trainer's --sparsity.kernels defaults to 'auto'.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshspeed.sparse import cuda
+from meshspeed.sparse import choice as kernel_choice
+from meshspeed.sparse import cslt_ops, cuda
 from meshspeed.sparse.masks import is_nm
 from meshspeed.sparse.transposable import is_transposable_nm
 
@@ -53,12 +59,32 @@ def _refresh_after_load(module: SparseLinear, incompatible_keys) -> None:
 
 
 class _Compressed:
-    """Holder so autograd does not see the compressed tensors as Function inputs."""
+    """Holder so autograd does not see the compressed tensors as Function inputs.
 
-    __slots__ = ("w", "wt")
+    Without `ops`, w / wt are operands F.linear takes (torch's semi-structured tensors, CUTLASS).
+    With `ops` (cslt_ops contract) they are cuSPARSELt-compressed W~ / W~^T, multiplied by
+    ops.mm with the searched algorithms; `wm` is the dense W~ the products left dense read."""
 
-    def __init__(self, w: torch.Tensor | None, wt: torch.Tensor | None) -> None:
-        self.w, self.wt = w, wt
+    __slots__ = ("w", "wt", "wm", "ops", "alg_fwd", "alg_dgrad")
+
+    def __init__(self, w, wt, wm=None, ops=None, alg_fwd: int = 0, alg_dgrad: int = 0) -> None:
+        self.w, self.wt, self.wm = w, wt, wm
+        self.ops, self.alg_fwd, self.alg_dgrad = ops, alg_fwd, alg_dgrad
+
+
+def _sparse_mm(kernels: _Compressed, compressed, rows: torch.Tensor, bias, alg: int):
+    """rows [tokens, k] times compressed A [m, k]^T -> [tokens, m], or None when ops cannot take
+    the operand (then the caller runs dense-masked). rows^T is a view: cuSPARSELt reads the
+    transposed operand in place and writes the transposed result, so nothing is copied."""
+    if not rows.is_contiguous():
+        rows = rows.contiguous()  # only for unusual strides; activations and gradients are contiguous
+    if not kernels.ops.accepts(rows.t()):
+        return None
+    return kernels.ops.mm(compressed, rows.t(), bias, alg)
+
+
+def _dense_w(kernels: _Compressed | None, weight, mask, cdtype):
+    return kernels.wm if kernels is not None and kernels.wm is not None else weight.to(cdtype) * mask
 
 
 class SparseLinearFunction(torch.autograd.Function):
@@ -77,11 +103,14 @@ class SparseLinearFunction(torch.autograd.Function):
                 x2 = x2.to(dtype)
             cdtype = dtype or weight.dtype
             b = bias.to(cdtype) if bias is not None else None
+            y = None
             if kernels is not None and kernels.w is not None:
-                # the semi-structured matmul wants a contiguous dense operand
-                y = F.linear(x2.contiguous(), kernels.w, b)
-            else:
-                y = F.linear(x2, weight.to(cdtype) * mask, b)
+                if kernels.ops is None:  # the semi-structured matmul wants a contiguous dense operand
+                    y = F.linear(x2.contiguous(), kernels.w, b)
+                else:
+                    y = _sparse_mm(kernels, kernels.w, x2, b, kernels.alg_fwd)  # [tokens, out]
+            if y is None:
+                y = F.linear(x2, _dense_w(kernels, weight, mask, cdtype), b)
         ctx.save_for_backward(x2, weight, mask)
         ctx.lam, ctx.cdtype, ctx.kernels = lam, cdtype, kernels
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -95,10 +124,14 @@ class SparseLinearFunction(torch.autograd.Function):
         with _no_autocast(grad_y.device.type):
             g2 = grad_y.reshape(-1, weight.shape[0]).to(ctx.cdtype)  # [tokens, out]
             if ctx.needs_input_grad[0]:
-                if ctx.kernels is not None and ctx.kernels.wt is not None:
-                    gx = F.linear(g2.contiguous(), ctx.kernels.wt)  # g @ W~ via compressed W~^T [in, out]
-                else:
-                    gx = g2 @ (weight.to(ctx.cdtype) * mask)
+                k = ctx.kernels
+                if k is not None and k.wt is not None:
+                    if k.ops is None:
+                        gx = F.linear(g2.contiguous(), k.wt)  # g @ W~ via compressed W~^T [in, out]
+                    else:
+                        gx = _sparse_mm(k, k.wt, g2, None, k.alg_dgrad)  # [tokens, in]
+                if gx is None:
+                    gx = g2 @ _dense_w(k, weight, mask, ctx.cdtype)
                 gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 gw = (g2.t() @ x2).to(weight.dtype)  # [out, in], STE: no mask applied
@@ -153,6 +186,10 @@ class SparseLinear(nn.Module):
         self._all_kept = True  # mask is all ones: the layer runs dense
         self._compressed = cuda.CompressedWeight()
         self._decision: cuda.PathDecision | None = None
+        self.kernel_mode = "sparse"  # auto | sparse | dense: where y and grad_x run (choice.py)
+        self.kernel_choice: kernel_choice.KernelChoice | None = None  # the latest, for reports
+        self.uses_per_step = 1  # forwards per optimizer step, which share one compression
+        self.cslt_ops = None  # a cslt_ops stand-in used instead of cuSPARSELt, on any device (tests)
         self.register_load_state_dict_post_hook(_refresh_after_load)
 
     @classmethod
@@ -200,18 +237,18 @@ class SparseLinear(nn.Module):
     def decide(
         self, compute_dtype: torch.dtype | None = None, input_dtype: torch.dtype | None = None
     ) -> cuda.PathDecision:
-        w = self.weight
+        w, stand_in = self.weight, self.cslt_ops is not None
         return cuda.decide_path(
             nm=self.nm,
             transposable=self.transposable,
             enabled=not self._all_kept,
             use_kernels=self.use_sparse_kernels,
-            device_type=w.device.type,
-            capability=cuda.device_capability(w.device),
+            device_type="cuda" if stand_in else w.device.type,
+            capability=self.cslt_ops.capability(w.device) if stand_in else cuda.device_capability(w.device),
             dtype=compute_dtype or w.dtype,
             out_features=self.out_features,
             in_features=self.in_features,
-            backend=cuda.sparse_backend(),
+            backend="cusparselt" if stand_in else cuda.sparse_backend(),
             input_dtype=input_dtype,
             plain_weight=type(w.data) is torch.Tensor,
         )
@@ -233,17 +270,51 @@ class SparseLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         ac_dtype = autocast_dtype(x.device.type)
         decision = self.decide(ac_dtype, None if ac_dtype is not None else x.dtype)
-        self._decision = decision
         kernels = None
         if decision.path in (cuda.SPARSE, cuda.SPARSE_FWD):
             cdtype = ac_dtype or self.weight.dtype
-            w, wt = self._compressed.get(
-                self.weight, self.mask, self.mask_version, cdtype, decision.path == cuda.SPARSE
-            )
-            kernels = _Compressed(w, wt)
+            ops = self.cslt_ops or (cslt_ops.default_ops() if cuda.sparse_backend() == "cusparselt" else None)
+            if ops is not None:
+                decision, kernels = self._cslt(ops, decision, x.numel() // self.in_features, cdtype)
+            elif self.kernel_mode == "dense":
+                decision = cuda.PathDecision(cuda.DENSE_MASKED, "sparsity.kernels=dense")
+            else:  # CUTLASS: torch's semi-structured tensors, both products sparse
+                w, wt = self._compressed.get(
+                    self.weight, self.mask, self.mask_version, cdtype, decision.path == cuda.SPARSE
+                )
+                kernels = _Compressed(w, wt)
+        self._decision = decision
         return SparseLinearFunction.apply(
             x, self.weight, self.bias, self.mask, self.sr_ste_lambda, ac_dtype, kernels
         )
+
+    def _cslt(self, ops, decision: cuda.PathDecision, tokens: int, cdtype: torch.dtype):
+        """The measured (or forced) choice at this shape, and the operands it reads."""
+        choice = kernel_choice.CHOOSER.get(
+            ops,
+            self.weight.detach(),
+            self.mask,
+            tokens=tokens,
+            dtype=cdtype,
+            bias=self.bias is not None,
+            mode=self.kernel_mode,
+            can_fwd=tokens % 8 == 0,  # cuSPARSELt's dense operand comes in rows of 8
+            can_dgrad=decision.path == cuda.SPARSE,
+            uses_per_step=self.uses_per_step,
+        )
+        self.kernel_choice = choice
+        w, wt, wm = self._compressed.prepare(self.weight, self.mask, self.mask_version, cdtype, choice, ops)
+        if choice.fwd and choice.dgrad:
+            decision = cuda.PathDecision(cuda.SPARSE, "")
+        elif choice.fwd:
+            why = decision.reason or f"input gradient dense-masked: {choice.reason}"
+            decision = cuda.PathDecision(cuda.SPARSE_FWD, why)
+        elif choice.dgrad:
+            decision = cuda.PathDecision(cuda.SPARSE_DGRAD, f"forward dense-masked: {choice.reason}")
+        else:
+            why = choice.reason if tokens % 8 == 0 else f"{tokens} tokens: cuSPARSELt needs a multiple of 8"
+            decision = cuda.PathDecision(cuda.DENSE_MASKED, why)
+        return decision, _Compressed(w, wt, wm, ops, choice.alg_fwd, choice.alg_dgrad)
 
     def extra_repr(self) -> str:
         pattern = "unstructured" if self.nm is None else f"{self.nm[0]}:{self.nm[1]}"

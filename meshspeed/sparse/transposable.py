@@ -1,93 +1,39 @@
 """Transposable 2:4 masks: W and W^T both 2:4, so the input-gradient matmul (grad_y @ W) can use
 the same sparse tensor cores as the forward (x @ W^T).
 
-Per 4x4 block the mask must have exactly two kept entries in every row and every column. There are
-exactly 90 such 0/1 matrices, so the block-optimal mask (max kept |W|) is an argmax over 90 sums
-per block. That is exact, not a heuristic, and the result is valid by construction because every
-candidate is valid.
-
-Each sum is one fixed float32 addition tree, (row0 pair + row1 pair) + (row2 pair + row3 pair),
-and ties go to the first pattern in PATTERN_PAIRS order. A matmul would leave the summation order
-to the BLAS, so two implementations could round a near-tie differently; with the tree written
-down, the fused Triton kernel (kernels.py) reproduces this mask bit for bit on CPU and on CUDA.
+The block-optimal mask over the 90 valid 4x4 blocks is defined in patterns.py (one written-down
+float32 addition tree per candidate, the first maximum wins); on CUDA the fused Triton kernel
+(kernels.py) computes the same mask bit for bit in one pass.
 """
 
 from __future__ import annotations
 
-import itertools
-from functools import cache
+import warnings
 
 import torch
 
+from meshspeed.sparse import cslt_layout, kernels
 from meshspeed.sparse.masks import is_nm
+from meshspeed.sparse.patterns import PATTERN_PAIRS, ROW_PAIRS, mask_reference, transposable_patterns
 
-# Blocks per chunk: 2^16 blocks * 90 patterns * 4 bytes = 24 MB per score temporary.
-_CHUNK_BLOCKS = 1 << 16
-
-# The 6 ways to keep 2 of 4 entries in a row, as (lo, hi) column pairs, in the order of
-# itertools.product((0, 1), repeat=4) filtered to two-hot rows (0011, 0101, 0110, 1001, 1010, 1100).
-ROW_PAIRS = ((2, 3), (1, 3), (1, 2), (0, 3), (0, 2), (0, 1))
-
-
-@cache
-def _pattern_pairs() -> tuple[tuple[int, int, int, int], ...]:
-    """The 90 valid blocks as one ROW_PAIRS index per row, in enumeration (tie-break) order."""
-    out = []
-    for combo in itertools.product(range(6), repeat=4):
-        counts = [0, 0, 0, 0]
-        for p in combo:
-            for c in ROW_PAIRS[p]:
-                counts[c] += 1
-        if counts == [2, 2, 2, 2]:
-            out.append(combo)
-    return tuple(out)
-
-
-PATTERN_PAIRS = _pattern_pairs()  # 90 x (pair of row 0, row 1, row 2, row 3)
-
-
-@cache
-def _patterns_cpu() -> torch.Tensor:
-    pats = torch.zeros(len(PATTERN_PAIRS), 4, 4)
-    for k, combo in enumerate(PATTERN_PAIRS):
-        for r, p in enumerate(combo):
-            pats[k, r, list(ROW_PAIRS[p])] = 1.0
-    return pats.reshape(-1, 16)  # [90, 16]
-
-
-def transposable_patterns(device: torch.device | str = "cpu") -> torch.Tensor:
-    """All 90 valid 4x4 transposable 2:4 patterns as a float [90, 16] tensor (row-major blocks)."""
-    return _patterns_cpu().to(device)
-
-
-def _to_blocks(x: torch.Tensor) -> torch.Tensor:
-    rows, cols = x.shape
-    # [rows/4, 4, cols/4, 4] -> [rows/4, cols/4, 4, 4] -> [blocks, 16]
-    return x.reshape(rows // 4, 4, cols // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
-
-
-def _from_blocks(blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return blocks.reshape(rows // 4, cols // 4, 4, 4).permute(0, 2, 1, 3).reshape(rows, cols)
-
-
-def pattern_scores(blocks: torch.Tensor) -> torch.Tensor:
-    """[blocks, 16] float32 scores -> [blocks, 90] kept sums, each by the documented addition tree."""
-    b = blocks.reshape(-1, 4, 4)
-    lo = torch.tensor([p[0] for p in ROW_PAIRS], device=b.device)
-    hi = torch.tensor([p[1] for p in ROW_PAIRS], device=b.device)
-    pairs = b[:, :, lo] + b[:, :, hi]  # [blocks, 4 rows, 6 pairs]
-    idx = torch.tensor(PATTERN_PAIRS, device=b.device)  # [90, 4]
-    top = pairs[:, 0, idx[:, 0]] + pairs[:, 1, idx[:, 1]]  # rows 0 and 1
-    return top + (pairs[:, 2, idx[:, 2]] + pairs[:, 3, idx[:, 3]])
+__all__ = [
+    "PATTERN_PAIRS",
+    "ROW_PAIRS",
+    "is_transposable_nm",
+    "transposable_2to4_mask",
+    "transposable_patterns",
+]
 
 
 def transposable_2to4_mask(
-    weight: torch.Tensor, *, name: str = "", scores: torch.Tensor | None = None
+    weight: torch.Tensor, *, name: str = "", scores: torch.Tensor | None = None, fused: bool = True
 ) -> torch.Tensor:
     """Block-optimal mask that is 2:4 along the last dim AND along the second-to-last dim.
 
     Leading dims (stacked experts [E, out, in]) are folded into rows; since out % 4 == 0 no 4x4
-    block crosses an expert boundary, so each expert gets its own valid mask.
+    block crosses an expert boundary, so each expert gets its own valid mask. A 2-D CUDA weight
+    whose dims are multiples of 64 goes through the fused Triton kernel (the same mask, one pass
+    instead of a [blocks, 90] score matrix) unless fused=False or scores are given.
     """
     if weight.dim() < 2 or weight.shape[-1] % 4 or weight.shape[-2] % 4:
         raise ValueError(
@@ -95,18 +41,14 @@ def transposable_2to4_mask(
             "a transposable 2:4 mask needs both of the last "
             "two dims to be multiples of 4; set sparsity.transposable=false or exclude this layer"
         )
-    s = (weight.detach().abs() if scores is None else scores.detach()).float()
-    s = s.masked_fill(s.isnan(), float("inf"))  # a NaN weight ranks highest, as argmax ranks NaN
-    rows, cols = s.numel() // s.shape[-1], s.shape[-1]
-    blocks = _to_blocks(s.reshape(rows, cols))  # [blocks, 16]
-    patterns = transposable_patterns(s.device)  # [90, 16]
-    chosen = torch.empty(blocks.shape[0], dtype=torch.long, device=s.device)
-    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
-        chunk = blocks[start : start + _CHUNK_BLOCKS]
-        # argmax: the first maximum (and the first NaN, as torch ranks NaN highest)
-        chosen[start : start + chunk.shape[0]] = pattern_scores(chunk).argmax(1)
-    mask_blocks = patterns[chosen].bool()
-    return _from_blocks(mask_blocks, rows, cols).reshape(weight.shape)
+    if fused and scores is None and weight.is_cuda and weight.dim() == 2 and kernels.available():
+        if not cslt_layout.misfit(*weight.shape):
+            try:  # a kernel that cannot build must not stop training: say so, use torch
+                out = kernels.mask_and_compress(weight, dtype=torch.bfloat16, want_w=False, want_t=False)
+                return out.mask
+            except Exception as err:
+                warnings.warn(f"fused transposable 2:4 mask unavailable ({type(err).__name__}: {err})")
+    return mask_reference(weight.detach().abs() if scores is None else scores)
 
 
 def is_transposable_nm(mask: torch.Tensor, n: int = 2, m: int = 4) -> bool:

@@ -1,15 +1,12 @@
 """The fused transposable-2:4 mask + compression kernel against the plain-torch references, bit for
-bit: on CPU through Triton's interpreter, on CUDA against torch._cslt_compress itself."""
+bit: on CPU through Triton's interpreter (what TRITON_INTERPRET=1 selects; kernels.py picks it
+for CPU tensors with or without the variable), on CUDA against torch._cslt_compress itself."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors run interpreted anyway; say so
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from meshspeed.sparse import cslt_layout, kernels, nm_mask, transposable_2to4_mask  # noqa: E402
-from meshspeed.sparse.transposable import PATTERN_PAIRS, ROW_PAIRS, transposable_patterns  # noqa: E402
+from meshspeed.sparse import cslt_layout, kernels, nm_mask, transposable_2to4_mask
+from meshspeed.sparse.transposable import PATTERN_PAIRS, ROW_PAIRS, transposable_patterns
 
 needs_triton = pytest.mark.skipif(not kernels.available(), reason="Triton is not installed")
 
@@ -158,11 +155,13 @@ def test_kernel_compiles_for_hopper(compute_mask):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from meshspeed.sparse.sparse24_triton import sparse24_kernel
+
     sig = dict(w_ptr="*fp32", stride_w="i32", m_ptr="*u8", tab_ptr="*i32", vals_ptr="*bf16", meta_ptr="*u8")
     sig.update(valst_ptr="*bf16", metat_ptr="*u8", R="i32", C="i32")
     consts = dict(COMPUTE_MASK=compute_mask, DO_W=True, DO_T=True, TG=4, TC=128)
     sig.update({k: "constexpr" for k in consts})
-    src = ASTSource(fn=triton.jit(kernels._sparse24_kernel), signature=sig, constexprs=consts)
+    src = ASTSource(fn=triton.jit(sparse24_kernel), signature=sig, constexprs=consts)
     options = {"num_warps": 4, "enable_fp_fusion": False}
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert out.asm["cubin"]
