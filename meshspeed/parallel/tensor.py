@@ -32,7 +32,7 @@ from meshspeed.comm.recipe import Recipe, Style, tie
 from meshspeed.kernels.loss import cross_entropy_loss
 from meshspeed.parallel.tensor_comm import gather_chunks_ad, vocab_parallel_cross_entropy
 from meshspeed.parallel.tensor_plan import TensorPlan
-from meshspeed.parallel.tp_overlap import column_sp, row_sp
+from meshspeed.parallel.tp_overlap import chunks_for, column_sp, row_sp
 
 __all__ = [
     "STYLES",
@@ -88,10 +88,12 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _shard(linear.weight, 0, group)
         self.bias = _shard(linear.bias, 0, group) if linear.bias is not None else None
         self.tp_overlap, self.tp_overlap_chunks = False, None  # set_tp_overlap
+        self.tp_overlap_auto: dict = {}  # input shape -> the cost model's K (tp_overlap.chunks_for)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.tp_overlap:
-            y = column_sp(x, self.weight, self.group, self.tp_overlap_chunks)  # [batch, seq, out/tp]
+        # K = 1 hides nothing: the plain path below, not a one-chunk pipeline with its copies
+        if self.sequence_parallel and self.tp_overlap and (k := chunks_for(self, x, "column")) > 1:
+            y = column_sp(x, self.weight, self.group, k)  # [batch, seq, out/tp]
             y = y if self.bias is None else y + self.bias
             return gather_chunks_ad(y, self.group, -1, self.full_out_features) if self.gather_output else y
         x = comm.gather_sp(x, self.group, 1) if self.sequence_parallel else comm.copy_to(x, self.group)
@@ -121,11 +123,12 @@ class RowParallelLinear(nn.Module):
         # Replicated, added after the reduction so it counts once.
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
         self.tp_overlap, self.tp_overlap_chunks = False, None  # set_tp_overlap
+        self.tp_overlap_auto: dict = {}  # input shape -> the cost model's K (tp_overlap.chunks_for)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            if self.tp_overlap:
-                y = row_sp(x, self.weight, self.group, self.tp_overlap_chunks)  # [batch, seq/tp, out]
+            if self.tp_overlap and (k := chunks_for(self, x, "row")) > 1:
+                y = row_sp(x, self.weight, self.group, k)  # [batch, seq/tp, out]
             else:
                 y = comm.reduce_scatter_sp(F.linear(x, self.weight), self.group, 1)
             # Each rank sees only its tokens: sum the bias gradient over tp (copy_to backward).
@@ -193,9 +196,10 @@ class SequenceParallel(nn.Module):
         for name, p in module.named_parameters(recurse=False):
             self.register_parameter(name, p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args):
+        # *args: a norm's residual (models' RMSNorm(x, residual)), sharded like x
         params = {n: comm.copy_to(p, self.group) for n, p in self._parameters.items() if p is not None}
-        return torch.func.functional_call(self.inner, params, (x,))
+        return torch.func.functional_call(self.inner, params, (x, *args))
 
     def extra_repr(self) -> str:
         return f"{self.inner!r}, sp over {self.group.size}"
@@ -323,6 +327,7 @@ def loss_fn(model: nn.Module, plain=cross_entropy_loss):
         def vocab_parallel_loss(logits, targets, ignore_index: int = -100):
             return vocab_parallel_cross_entropy(logits, targets, group, ignore_index, start)
 
+        vocab_parallel_loss.vocab_parallel = True  # memory.chunked_loss's fused head knows it
         return vocab_parallel_loss
     return plain
 

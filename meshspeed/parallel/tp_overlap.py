@@ -85,8 +85,31 @@ def default_chunks(group: comm.Group, comm_bytes: int, flops: float) -> int:
     return min(range(1, MAX_CHUNKS + 1), key=lambda k: (pipeline(k), k))
 
 
-def _chunks(group, chunks: int | None, comm_bytes: int, flops: float) -> int:
-    return chunks if chunks else default_chunks(group, comm_bytes, flops)
+def overlap_cost(kind: str, x_shape: tuple, elem: int, weight_shape: tuple, tp: int) -> tuple[int, float]:
+    """(bytes the layer's collective moves, its matmul's FLOPs) for default_chunks. column: x
+    [b, seq/tp, in] all-gathered then times W [out/tp, in]; row: x [b, seq, in/tp] times
+    W [out, in/tp], the output [b, seq, out] reduce-scattered."""
+    tokens = x_shape[0] * x_shape[1]
+    if kind == "column":
+        return tokens * tp * x_shape[2] * elem, 2.0 * tokens * tp * x_shape[2] * weight_shape[0]
+    return tokens * weight_shape[0] * elem, 2.0 * tokens * weight_shape[0] * weight_shape[1]
+
+
+def chunks_for(layer, x: torch.Tensor, kind: str) -> int:
+    """K for this call of a column- or row-parallel `layer` (tensor.py): its own
+    tp_overlap_chunks, else the cost model's K for this input shape, worked out once per
+    shape and kept on the layer (`tp_overlap_auto`: shape -> K). K = 1 means nothing can be
+    hidden: the caller then runs the plain sequence-parallel path, so auto never loses to it."""
+    if layer.tp_overlap_chunks:
+        return layer.tp_overlap_chunks
+    key = (tuple(x.shape), x.dtype)
+    k = layer.tp_overlap_auto.get(key)
+    if k is None:
+        cost = overlap_cost(
+            kind, tuple(x.shape), x.element_size(), tuple(layer.weight.shape), layer.group.size
+        )
+        k = layer.tp_overlap_auto[key] = default_chunks(layer.group, *cost)
+    return k
 
 
 class _ColumnSP(torch.autograd.Function):
@@ -95,8 +118,7 @@ class _ColumnSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, chunks):
         tp, (b, sl) = group.size, x.shape[:2]
-        k = _chunks(group, chunks, x.numel() * tp * x.element_size(), 2.0 * x.numel() * tp * weight.shape[0])
-        spans = _spans(sl, k)
+        spans = _spans(sl, chunks)
         x_full = x.new_empty(b, sl * tp, x.shape[2])  # saved for dW, as the plain layer saves it
         y = x.new_empty(b, sl * tp, weight.shape[0])
 
@@ -144,9 +166,7 @@ class _RowSP(torch.autograd.Function):
                 f"parallel.tp_overlap needs the sequence length divisible by parallel.tp={tp}, got "
                 f"seq={s}; pad the batch to a multiple of {tp} or turn tp_overlap off"
             )
-        out_bytes = x.shape[0] * s * weight.shape[0] * x.element_size()
-        k = _chunks(group, chunks, out_bytes, 2.0 * x[..., 0].numel() * weight.shape[0] * weight.shape[1])
-        spans = _spans(s // tp, k)
+        spans = _spans(s // tp, chunks)
         x = x.contiguous()
         parts, pending = [], None
         for c0, c1 in spans:
@@ -183,10 +203,19 @@ class _RowSP(torch.autograd.Function):
 
 
 def column_sp(x: torch.Tensor, weight: torch.Tensor, group: comm.Group, chunks: int | None) -> torch.Tensor:
-    """`F.linear(gather_sp(x), weight)` with the all-gather overlapped; chunks None: cost model."""
+    """`F.linear(gather_sp(x), weight)` with the all-gather overlapped in `chunks` pieces
+    (None: the cost model's K for this shape)."""
+    if not chunks:
+        chunks = default_chunks(
+            group, *overlap_cost("column", tuple(x.shape), x.element_size(), weight.shape, group.size)
+        )
     return _ColumnSP.apply(x, weight, group, chunks)
 
 
 def row_sp(x: torch.Tensor, weight: torch.Tensor, group: comm.Group, chunks: int | None) -> torch.Tensor:
     """`reduce_scatter_sp(F.linear(x, weight))` with the reduce-scatter overlapped."""
+    if not chunks:
+        chunks = default_chunks(
+            group, *overlap_cost("row", tuple(x.shape), x.element_size(), weight.shape, group.size)
+        )
     return _RowSP.apply(x, weight, group, chunks)

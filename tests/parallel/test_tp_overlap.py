@@ -26,8 +26,8 @@ from meshspeed.parallel.tp_overlap import default_chunks, rows
 from tests import harness
 from tests.parallel.test_tensor import DENSE, _tokens, close, piece, rnd, seq_piece
 
-# Chunk counts: 1 (one collective, still through the overlapped path), 2, 3 (uneven split of a
-# block of 4 or 6 rows), 5 (more than some blocks' rows: capped) and None (cost model).
+# Chunk counts: 1 (nothing to hide: the plain path), 2, 3 (uneven split of a block of 4 or 6
+# rows), 5 (more than some blocks' rows: capped) and None (cost model).
 CHUNKS = (1, 2, 3, 5, None)
 
 
@@ -162,6 +162,38 @@ def test_default_chunks_follow_cost_model():
     assert small == 1
     assert large > 1
     assert busy == 1
+
+
+def job_auto_k1_is_plain(ctx) -> list:
+    """Where the cost model's K is 1 (a busy CPU node), auto runs the plain layers: no chunked
+    pipeline (its async collectives and row copies cost without hiding anything). The choice is
+    made once per input shape and kept on the layer."""
+    g, calls = ctx.world, []
+    saved = tpo._ColumnSP.apply, tpo._RowSP.apply, tpo._cores
+    tpo._ColumnSP.apply = lambda *a: calls.append("column") or saved[0](*a)  # counted, then run
+    tpo._RowSP.apply = lambda *a: calls.append("row") or saved[1](*a)
+    try:
+        out = []
+        for cores in (g.size, 64):  # every core runs a rank / cores to spare (tiny shapes: still 1)
+            tpo._cores = lambda c=cores: c
+            col = ColumnParallelLinear(nn.Linear(8, 6), g, sequence_parallel=True)
+            row = RowParallelLinear(nn.Linear(6, 8), g, sequence_parallel=True)
+            set_tp_overlap(col, True, None), set_tp_overlap(row, True, None)
+            for _ in range(2):  # the second call reuses the recorded K
+                row(col(rnd(1, 2, 2, 8)))  # x [b, seq/tp, in] of a 4-token sequence at tp 2
+            out.append((list(col.tp_overlap_auto.values()), list(row.tp_overlap_auto.values())))
+        set_tp_overlap(col, True, 2), set_tp_overlap(row, True, 2)  # an explicit K > 1 overlaps
+        row(col(rnd(1, 2, 2, 8)))
+        return [out, calls]
+    finally:
+        del tpo._ColumnSP.apply, tpo._RowSP.apply  # back to autograd.Function's own
+        tpo._cores = saved[2]
+
+
+def test_auto_with_k1_runs_the_plain_path():
+    out, calls = harness.run(2, job_auto_k1_is_plain)[0]
+    assert out == [([1], [1]), ([1], [1])]
+    assert calls == ["column", "row"]  # only the explicit K=2 calls went through the pipeline
 
 
 def test_rows_is_the_all_gather_order():
