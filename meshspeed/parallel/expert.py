@@ -65,6 +65,7 @@ class ExpertParallelMoE(nn.Module):
         # moe.overlap_shared: same numbers either way; off only to measure what it hides
         self.overlap_shared = True
         self.bounds = xc.expert_bounds(n_experts, group.size)
+        self.a2a_clock = xc.WaitClock()  # time blocked on this layer's exchanges (benchmarks)
         self.load_balance_loss = self.z_loss = self.tokens_per_expert = self.step_counts = None
         # Reuse the single-device layer's loss bookkeeping (same formulas, this member's tokens).
         self._record_router = moe._record_router.__func__.__get__(self)
@@ -94,19 +95,24 @@ class ExpertParallelMoE(nn.Module):
         send, recv, runs = xc.splits(all_counts, self.bounds, self.group.rank)
         # Slots sorted by expert are already grouped by destination member (experts are blocks).
         rows, shared = x[order // k], None
-        if self.overlap_shared and self.shared_expert is not None and self.group.size > 1:
-            # The shared expert needs no routing: it runs while the dispatch is in flight,
-            # and in backward while the reverse exchange is (expert_comm.dispatch_wait).
-            flight = comm.InFlight()
-            token = xc.dispatch_start(rows, self.group, send, recv, flight)
-            shared = self.shared_expert(x)
-            received = xc.dispatch_wait(token, self.group, send, recv, flight)
+        if self.group.size > 1:
+            # Posted, then awaited: what runs in between hides the exchange. The shared expert
+            # needs no routing, so it runs there (moe.overlap_shared), and in backward while the
+            # reverse exchange is in flight; inside an overlapped pipeline step the other
+            # micro-batch's backward or forward runs there too (pipeline/duet.py).
+            posted = xc.launch(rows, self.group, send, recv, self.a2a_clock)
+            if self.overlap_shared and self.shared_expert is not None:
+                shared = self.shared_expert(x)
+            received = xc.land(posted, self.group, send, recv)  # [recv_total, dim]
         else:
-            received = xc.dispatch(rows, self.group, send, recv)  # [recv_total, dim]
+            received = xc.dispatch(rows, self.group, send, recv)
         perm = xc.source_to_expert_order(runs)  # received row -> expert-major position
         y = self.experts(received[perm], runs.sum(0))  # [recv_total, dim], expert-major
         y = y[_inverse(perm)]  # back to source-major, as received
-        y_sorted = xc.combine(y, self.group, send, recv)  # [kept slots, dim] in `order`
+        if self.group.size > 1:  # [kept slots, dim] in `order`
+            y_sorted = xc.land(xc.launch(y, self.group, recv, send, self.a2a_clock), self.group, recv, send)
+        else:
+            y_sorted = xc.combine(y, self.group, send, recv)
         if self.capacity_factor is None:  # dropless: `order` is a permutation of the slots
             # (an index keeps only the indices for backward; index_copy would keep y_sorted)
             y = y_sorted[_inverse(order)]

@@ -240,29 +240,33 @@ def test_capacity_factor_drops_overflow(ep):
 
 def job_overlap_same(ctx) -> list[str]:
     """The shared expert computed while the dispatch is in flight (moe.overlap_shared) gives the
-    same output and gradients as computed after it, and the overlapped path did run."""
+    same output and gradients as computed after it, and the overlapped path did run: with it on,
+    the shared expert runs between the dispatch's launch and its land."""
     g = ctx.world
     config = _config(8, 3, 2)
     x_all = torch.randn(g.size * TOKENS, DIM, generator=torch.Generator().manual_seed(11))
     rows = slice(g.rank * TOKENS, (g.rank + 1) * TOKENS)
-    results, starts = [], []
+    results, events = [], {}
     import meshspeed.parallel.expert_comm as xc
 
-    real_start = xc.dispatch_start
+    real_launch, real_land = xc.launch, xc.land
     for overlap in (True, False):
         layer = ExpertParallelMoE(_layer(config), g, "alltoall")
         layer.overlap_shared = overlap
+        seen = events[overlap] = []
+        layer.shared_expert.register_forward_hook(lambda *_, s=seen: s.append("shared"))
         x = x_all[rows].clone().requires_grad_()
-        xc.dispatch_start = lambda *a, _s=real_start: (starts.append(overlap), _s(*a))[1]
+        xc.launch = lambda *a, s=seen: (s.append("launch"), real_launch(*a))[1]
+        xc.land = lambda *a, s=seen: (s.append("land"), real_land(*a))[1]
         try:
             out = layer(x)
             (out.square().sum() + layer.z_loss).backward()
         finally:
-            xc.dispatch_start = real_start
+            xc.launch, xc.land = real_launch, real_land
         results.append([out.detach(), x.grad] + [q.grad for q in layer.parameters()])
     bad = [f"tensor {i} differs" for i, (a, b) in enumerate(zip(*results)) if not torch.equal(a, b)]
-    if starts != [True]:
-        bad.append(f"dispatch_start calls {starts}, want one with overlap on only")
+    if events[True][:3] != ["launch", "shared", "land"] or events[False][:3] != ["launch", "land", "launch"]:
+        bad.append(f"call order {events}, want the shared expert inside the dispatch with overlap only")
     return bad
 
 

@@ -30,8 +30,13 @@ from meshspeed.parallel.pipeline import (
 def _cases():
     for name, fn in SCHEDULES.items():
         for pp in range(1, 6):
-            for vpp in [2, 3] if fn.interleaved else [1]:
-                ms = [pp, 2 * pp, 3 * pp] if fn.interleaved else sorted({1, 2, pp, pp + 1, 2 * pp + 3})
+            for vpp in [fn.chunks] if fn.chunks else [2, 3] if fn.interleaved else [1]:
+                if name == "dualpipev":  # m >= 2pp, any m from there (no multiple of pp needed)
+                    ms = [2 * pp, 2 * pp + 1, 3 * pp + 2]
+                elif fn.interleaved:
+                    ms = [pp, 2 * pp, 3 * pp]
+                else:
+                    ms = sorted({1, 2, pp, pp + 1, 2 * pp + 3})
                 for m in ms:
                     yield name, pp, vpp, m
 
@@ -43,8 +48,9 @@ def test_every_schedule_validates(name, pp, vpp, m):
     expected = Counter({F: m * vpp, B: m * vpp, W: m * vpp if split else 0})
     for acts in compute:
         assert Counter(a.kind for a in acts) == +expected
-    validate(compute, pp, vpp, m)  # comms inserted inside
-    validate(build_schedule(name, pp, vpp, m), pp, vpp, m)
+    placement = get_schedule(name).placement
+    validate(compute, pp, vpp, m, placement=placement)  # comms inserted inside
+    validate(build_schedule(name, pp, vpp, m), pp, vpp, m, placement=placement)
 
 
 def test_comms_follow_stage_placement_and_fifo_order():
@@ -159,6 +165,9 @@ def test_dropped_duplicated_and_misordered_actions():
         ("zero-bubble", 4, 3, 8, "zero-bubble: vpp=3 is not supported"),
         ("gpipe", 0, 1, 8, "gpipe: pp=0 is invalid; it must be an integer >= 1"),
         ("1f1b", 4, 1, 0, "microbatches=0 is invalid"),
+        ("dualpipev", 4, 1, 8, "vpp=1 but an interleaved schedule needs vpp >= 2"),
+        ("dualpipev", 4, 3, 8, "DualPipeV holds exactly 2 model chunks per rank; use vpp=2"),
+        ("dualpipev", 4, 2, 7, r"microbatches=7 must be >= 2 \* pp = 8"),
     ],
 )
 def test_bad_input(name, pp, vpp, m, message):
@@ -179,7 +188,7 @@ def test_unknown_schedule_lists_valid_names():
     with pytest.raises(
         ScheduleError,
         match="'zb' is unknown; valid schedules: gpipe, 1f1b, interleaved, "
-        "interleaved-extra-warmup, zero-bubble",
+        "interleaved-extra-warmup, zero-bubble, dualpipev",
     ):
         get_schedule("zb")
 
@@ -196,3 +205,84 @@ def test_receives_follow_send_order_even_when_consumed_out_of_order():
     sched = insert_comms(compute, 2, 1)
     assert format_schedule(sched[1:], show_chunk=False).split(": ")[1].startswith("rF0<0 rF1<0 F1 F0")
     validate(sched, 2, 1, 2)
+
+
+# -- DualPipeV ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_v_placement_round_trips_and_folds_at_the_last_rank(pp):
+    from meshspeed.parallel.pipeline import holder_of, stage_of
+
+    for rank in range(pp):
+        assert [stage_of(rank, c, pp, "v") for c in range(2)] == [rank, 2 * pp - 1 - rank]
+        for c in range(2):
+            assert holder_of(stage_of(rank, c, pp, "v"), pp, "v") == (rank, c)
+    assert holder_of(0, pp, "v") == holder_of(2 * pp - 1, pp, "v")[:1] + (0,)  # embedding and loss: rank 0
+
+
+def test_dualpipev_messages_follow_the_v():
+    """Activations go down the ranks on chunk 0 and back up on chunk 1; the bottom of the V
+    (stage pp-1 -> pp) stays on rank pp-1, so that rank sends nothing between its chunks."""
+    pp, m = 4, 9
+    sched = build_schedule("dualpipev", pp, 2, m)
+    for rank, acts in enumerate(sched):
+        for a in acts:
+            if a.kind == SEND_F:
+                assert a.peer == (rank + 1 if a.chunk == 0 else rank - 1), (rank, a)
+            if a.kind == SEND_B:
+                assert a.peer == (rank - 1 if a.chunk == 0 else rank + 1), (rank, a)
+    assert not any(a.kind in (SEND_F, SEND_B) and a.peer == pp - 1 for a in sched[pp - 1])
+    # rank 0 ends the pipeline: its chunk 1 sends no activation, its chunk 0 no gradient
+    assert not any(a.kind == SEND_F and a.chunk == 1 for a in sched[0])
+    assert not any(a.kind == SEND_B and a.chunk == 0 for a in sched[0])
+
+
+def test_dualpipev_phases_as_deepseek_builds_them():
+    """Rank r: 2(pp-r-1) forwards of chunk 0, then r+1 F0/F1 pairs, then the steady F0 B1 F1 B0
+    with full backwards (B right before its W), and every W once."""
+    pp, m = 4, 10
+    compute = build_schedule("dualpipev", pp, 2, m, comms=False)
+    for r, acts in enumerate(compute):
+        fill = 2 * (pp - r - 1)
+        assert acts[:fill] == [Action(F, i, 0) for i in range(fill)]
+        assert acts[fill : fill + 2] == [Action(F, fill, 0), Action(F, 0, 1)]
+        text = format_schedule([acts]).split(": ")[1]
+        steady = m - 2 * pp + r + 1
+        assert text.count("B") == text.count("W") == 2 * m
+        # the steady phase's pairs: a forward next to a backward of the other chunk
+        pairs = sum(1 for a, b in zip(acts, acts[1:]) if a.kind == F and b.kind == B and a.chunk != b.chunk)
+        assert pairs >= 2 * steady
+
+
+def test_overlapped_pairs_keep_the_step_and_move_receives_first():
+    from meshspeed.parallel.pipeline.pairs import candidates, overlapped
+
+    for name, pp, vpp, m in [("dualpipev", 4, 2, 10), ("dualpipev", 3, 2, 7), ("1f1b", 4, 1, 8)]:
+        fn = get_schedule(name)
+        sched = build_schedule(name, pp, vpp, m)
+        plain = simulate(sched, pp, vpp, split=fn.split_backward, placement=fn.placement)
+        executed, starts = overlapped(sched, pp, vpp, fn.placement, fn.split_backward)
+        run = simulate(executed, pp, vpp, split=fn.split_backward, placement=fn.placement)
+        assert run.makespan == plain.makespan and run.bubble == plain.bubble
+        for rank, acts in enumerate(executed):
+            assert sorted(map(str, acts)) == sorted(map(str, sched[rank]))  # a reordering only
+            for i in starts[rank]:
+                f = acts[i]
+                j = next(k for k in range(i + 1, len(acts)) if acts[k].is_compute)
+                assert f.kind == F and acts[j].kind == B
+                assert all(a.kind == SEND_F for a in acts[i + 1 : j])  # only F's own sends between
+        n = sum(map(len, starts))
+        if name == "1f1b":  # every 1F1B gradient arrives just after the forward before it
+            assert n == 0 < len(candidates(sched, pp))
+        else:  # all steady pairs but the last rank's first (which DualPipe leaves apart too)
+            steady = sum(2 * (m - 2 * pp + r + 1) for r in range(pp))
+            assert n >= steady - 1
+
+
+def test_a_pair_whose_gradient_comes_late_is_not_overlapped():
+    """1F1B rank 0 at pp 2: F1 B0 is a candidate, but B0's gradient leaves rank 1 only after
+    rank 1 ran F0 and B0, i.e. after rank 0 started F1; receiving it first would stall."""
+    from meshspeed.parallel.pipeline.pairs import candidates, overlapped
+
+    sched = build_schedule("1f1b", 2, 1, 4)
+    assert (0, sched[0].index(Action(F, 1)), sched[0].index(Action(B, 0))) in candidates(sched, 2)
+    assert overlapped(sched, 2, 1)[1] == [[], []]

@@ -103,3 +103,27 @@ def test_negative_cost_rejected():
 def test_simulate_inserts_comms_for_compute_only_schedule():
     compute = build_schedule("1f1b", 3, 1, 4, comms=False)
     assert simulate(compute, 3, 1).bubble == evaluate("1f1b", 3, 1, 4).bubble
+
+
+@pytest.mark.parametrize("pp,m", [(1, 2), (2, 4), (2, 7), (3, 6), (4, 8), (4, 13), (5, 10)])
+def test_dualpipev_closed_form(pp, m):
+    """Equal costs: every rank idles (p-1)·f/2, so the bubble is (p-1)/(6m+p-1), half of ZB-H1's
+    idle time; peak activations 2pp+1 stage-activations per rank (DualPipe's README: PP+1 for
+    PP = 2pp stages)."""
+    for unit in (1, Fraction(5, 2)):
+        r = evaluate("dualpipev", pp, 2, m, Costs(unit, unit, unit))
+        assert r.bubble == Fraction(pp - 1, 6 * m + pp - 1) == closed_form("dualpipev", pp, 2, m, r.costs)[0]
+        assert set(r.bubble_per_rank) == {r.bubble}
+    assert r.peak_activations == [2 * pp + 1] * pp
+    assert closed_form("dualpipev", pp, 2, m, Costs(1, 2, 1)) is None
+    if pp > 1:
+        assert r.bubble < evaluate("zero-bubble", pp, 1, m).bubble
+
+
+def test_dualpipev_pairs_are_independent():
+    """Every adjacent F->B pair of DualPipeV is independent except the last stage's own
+    F -> B on rank 0 (its loss), once per micro-batch before the steady phase."""
+    pp, m = 4, 10
+    r = evaluate("dualpipev", pp, 2, m)
+    indep, total = fb_overlap(r.schedule, pp, "v")
+    assert total - indep == pp - 1

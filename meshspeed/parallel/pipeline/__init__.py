@@ -3,12 +3,14 @@ drawing and stage layouts. Pure Python, so `meshspeed pipeline show` needs no to
 
 The torch side is imported from its modules, not from here: stage.py (cut the model into
 stages), runtime.py (execute a schedule over meshspeed.comm; its p2p in stage_comm.py, the
-B/W split in split_backward.py) and trace.py (a real run's timeline next to the simulated one).
+B/W split in split_backward.py, overlapped F/B pairs in duet.py) and trace.py (a real run's
+timeline next to the simulated one). pairs.py (which F/B pairs a runtime may overlap) is data.
 """
 
 from meshspeed.parallel.pipeline.actions import (
     COMM_KINDS,
     COMPUTE_KINDS,
+    PLACEMENTS,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -43,6 +45,7 @@ __all__ = [
     "RECV_B",
     "COMPUTE_KINDS",
     "COMM_KINDS",
+    "PLACEMENTS",
     "ScheduleError",
     "DeadlockError",
     "format_schedule",

@@ -4,9 +4,14 @@ A schedule is plain data, `list[list[Action]]` indexed by rank, so it can be pri
 drawn, compared in tests and executed by a small runtime without any of those knowing how it
 was produced.
 
-Stage placement follows Megatron's interleaved layout: with `vpp` chunks per rank, virtual stage
-`s = chunk * pp + rank`, so rank r holds stages r, r+pp, r+2pp, ...  Activations therefore flow
-rank 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ..., and gradients the other way round.
+Stage placement is one of two (a schedule declares which, schedules.py):
+- "loop", Megatron's interleaved layout: with `vpp` chunks per rank, virtual stage
+  `s = chunk * pp + rank`, so rank r holds stages r, r+pp, r+2pp, ...  Activations flow
+  rank 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ..., and gradients the other way round.
+- "v", the V of DualPipeV (and torch.distributed.pipelining's "v" style): odd chunks run the
+  ranks backwards, `s = chunk * pp + (pp - 1 - rank)` for odd chunks, so with vpp = 2 rank r
+  holds stages r and 2pp-1-r: activations go down the ranks and come back up, the hand-off at
+  the bottom of the V stays on rank pp-1, and rank 0 holds both the embedding and the loss.
 """
 
 from __future__ import annotations
@@ -103,14 +108,27 @@ def parse_action(text: str) -> Action:
     return Action(kind, int(mb), int(chunk or 0), None if peer is None else int(peer))
 
 
-def stage_of(rank: int, chunk: int, pp: int) -> int:
+PLACEMENTS = ("loop", "v")
+
+
+def check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ScheduleError(f"stage placement {placement!r} is unknown; valid: {', '.join(PLACEMENTS)}")
+
+
+def stage_of(rank: int, chunk: int, pp: int, placement: str = "loop") -> int:
     """Virtual stage held by `rank` as its `chunk`-th model chunk."""
+    if placement == "v" and chunk % 2:
+        return chunk * pp + pp - 1 - rank
     return chunk * pp + rank
 
 
-def holder_of(stage: int, pp: int) -> tuple[int, int]:
+def holder_of(stage: int, pp: int, placement: str = "loop") -> tuple[int, int]:
     """(rank, chunk) holding virtual stage `stage`."""
-    return stage % pp, stage // pp
+    chunk, offset = divmod(stage, pp)
+    if placement == "v" and chunk % 2:
+        return pp - 1 - offset, chunk
+    return offset, chunk
 
 
 def format_rank(actions: list[Action], show_chunk: bool = True) -> str:

@@ -16,7 +16,11 @@ def closed_form(name: str, pp: int, vpp: int, m: int, costs: Costs) -> tuple[Fra
     - interleaved (both variants): (p-1)/(v*m+p-1) for any f, b, w: fill/drain shrink by v.
     - zero-bubble (ZB-H1): (p-1)/(3m+p-1) when f = b = w and m >= p; the ZB paper's
       (p-1)(f+b-w) bubble. For other cost ratios the simulation is the answer.
-    None elsewhere (p2p > 0, uneven zero-bubble costs).
+    - dualpipev: (p-1)/(6m+p-1) when f = b = w (m >= 2p by construction): every rank idles
+      (p-1)·f/2, half of ZB-H1's (p-1)·f, because each rank's two chunks fill each other's
+      fill and drain. Uneven costs move the critical path between phases (the simulation is
+      the answer there).
+    None elsewhere (p2p > 0, uneven zero-bubble / dualpipev costs).
     """
     if costs.p2p != 0:
         return None
@@ -27,10 +31,12 @@ def closed_form(name: str, pp: int, vpp: int, m: int, costs: Costs) -> tuple[Fra
         return Fraction(p - 1, vpp * m + p - 1), "(p-1)/(v*m+p-1)"
     if name == "zero-bubble" and costs.f == costs.b == costs.w and m >= p:
         return Fraction(p - 1, 3 * m + p - 1), "(p-1)/(3m+p-1)"
+    if name == "dualpipev" and costs.f == costs.b == costs.w:
+        return Fraction(p - 1, 6 * m + p - 1), "(p-1)/(6m+p-1)"
     return None
 
 
-def fb_overlap(schedule: list[list[Action]], pp: int) -> tuple[int, int]:
+def fb_overlap(schedule: list[list[Action]], pp: int, placement: str = "loop") -> tuple[int, int]:
     """(independent, total) over adjacent F-then-B compute pairs on each rank.
 
     A pair is independent when the B does not need that F, even through other ranks: B of
@@ -43,9 +49,9 @@ def fb_overlap(schedule: list[list[Action]], pp: int) -> tuple[int, int]:
         for a, b in zip(compute, compute[1:]):
             if a.kind == F and b.kind == B:
                 total += 1
-                dependent = a.microbatch == b.microbatch and stage_of(rank, a.chunk, pp) >= stage_of(
-                    rank, b.chunk, pp
-                )
+                dependent = a.microbatch == b.microbatch and stage_of(
+                    rank, a.chunk, pp, placement
+                ) >= stage_of(rank, b.chunk, pp, placement)
                 independent += not dependent
     return independent, total
 
@@ -58,10 +64,11 @@ def evaluate(name: str, pp: int, vpp: int, microbatches: int, costs: Costs | Non
     from meshspeed.parallel.pipeline.simulate import simulate
     from meshspeed.parallel.pipeline.validate import validate
 
-    split = get_schedule(name).split_backward
+    fn = get_schedule(name)
+    split, placement = fn.split_backward, fn.placement
     schedule = build_schedule(name, pp, vpp, microbatches)
-    validate(schedule, pp, vpp, microbatches, split=split)
-    result = simulate(schedule, pp, vpp, costs or Costs(), split=split)
+    validate(schedule, pp, vpp, microbatches, split=split, placement=placement)
+    result = simulate(schedule, pp, vpp, costs or Costs(), split=split, placement=placement)
     result.name = name
     result.microbatches = microbatches
     return result

@@ -2,7 +2,8 @@
 
 What travels: the forward output of virtual stage s goes to the holder of s+1 (SEND_F/RECV_F);
 the input gradient computed by B at stage s goes to the holder of s-1 (SEND_B/RECV_B). W sends
-nothing. Hand-offs between two chunks on the same rank (pp == 1 with vpp > 1) need no message.
+nothing. Hand-offs between two chunks on the same rank (pp == 1 with vpp > 1, the bottom of a
+"v" placement) need no message. Who holds a stage is the schedule's placement (actions.py).
 
 The rule, and why it cannot deadlock (sends non-blocking, receives blocking):
 
@@ -38,16 +39,18 @@ from meshspeed.parallel.pipeline.actions import (
 )
 
 
-def message_of(action: Action, rank: int, pp: int, vpp: int) -> tuple[str, int, int, int] | None:
+def message_of(
+    action: Action, rank: int, pp: int, vpp: int, placement: str = "loop"
+) -> tuple[str, int, int, int] | None:
     """(send kind, dst rank, dst chunk, microbatch) of what `action` must send, or None.
 
     None for W, for the ends of the pipeline, and for same-rank hand-offs."""
-    stage = stage_of(rank, action.chunk, pp)
+    stage = stage_of(rank, action.chunk, pp, placement)
     if action.kind == F and stage + 1 < pp * vpp:
-        dst, dst_chunk = holder_of(stage + 1, pp)
+        dst, dst_chunk = holder_of(stage + 1, pp, placement)
         kind = SEND_F
     elif action.kind == B and stage > 0:
-        dst, dst_chunk = holder_of(stage - 1, pp)
+        dst, dst_chunk = holder_of(stage - 1, pp, placement)
         kind = SEND_B
     else:
         return None
@@ -58,7 +61,9 @@ def has_comms(schedule: list[list[Action]]) -> bool:
     return any(not a.is_compute for acts in schedule for a in acts)
 
 
-def insert_comms(schedule: list[list[Action]], pp: int, vpp: int) -> list[list[Action]]:
+def insert_comms(
+    schedule: list[list[Action]], pp: int, vpp: int, placement: str = "loop"
+) -> list[list[Action]]:
     """Return a new schedule with SEND/RECV actions placed by the rule in the module docstring.
     Communication actions already present are dropped and re-derived."""
     compute = [[a for a in acts if a.is_compute] for acts in schedule]
@@ -68,7 +73,7 @@ def insert_comms(schedule: list[list[Action]], pp: int, vpp: int) -> list[list[A
     for rank, acts in enumerate(compute):
         for a in acts:
             out[rank].append(a)
-            msg = message_of(a, rank, pp, vpp)
+            msg = message_of(a, rank, pp, vpp, placement)
             if msg is None:
                 continue
             kind, dst, dst_chunk, mb = msg

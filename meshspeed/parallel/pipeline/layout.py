@@ -8,7 +8,8 @@ e.g. "E,t*8|t*8|t*8|t*7,L". E and L may be left out; they then go to the first a
 stage. A plain list of layer counts, "8,8,8,7", means the same thing.
 
 There are pp * vpp stages; stage s lives on rank s % pp as its chunk s // pp (Megatron's
-interleaved placement, as in actions.py). Layers are numbered 0.. in stage order.
+interleaved placement, "loop"), or for a "v" placement (DualPipeV) on the rank actions.holder_of
+names. Layers are numbered 0.. in stage order.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def _stage_counts(spec: str) -> list[tuple[bool, int, bool]]:
     return stages
 
 
-def parse_layout(spec: str, pp: int, vpp: int = 1, n_layers: int | None = None) -> list[StageLayout]:
+def parse_layout(
+    spec: str, pp: int, vpp: int = 1, n_layers: int | None = None, placement: str = "loop"
+) -> list[StageLayout]:
     """Parse a layout string into pp * vpp StageLayouts (see module docstring)."""
     if not spec or not spec.strip():
         raise ScheduleError(
@@ -101,10 +104,10 @@ def parse_layout(spec: str, pp: int, vpp: int = 1, n_layers: int | None = None) 
             f"make the counts sum to {n_layers} "
             f"(even split: {format_layout(even_layout(n_layers, pp, vpp)) if n_layers >= want else 'n/a'})"
         )
-    return _build(stages, pp, spec)
+    return _build(stages, pp, spec, placement)
 
 
-def even_layout(n_layers: int, pp: int, vpp: int = 1) -> list[StageLayout]:
+def even_layout(n_layers: int, pp: int, vpp: int = 1, placement: str = "loop") -> list[StageLayout]:
     """Split n_layers as evenly as possible over pp * vpp stages.
 
     The remainder goes one layer each to the stages just before the last, walking back towards
@@ -123,17 +126,17 @@ def even_layout(n_layers: int, pp: int, vpp: int = 1) -> list[StageLayout]:
     counts = [base] * want
     for s in range(want - 2, want - 2 - extra, -1):
         counts[s] += 1
-    return _build([(s == 0, n, s == want - 1) for s, n in enumerate(counts)], pp, "even split")
+    return _build([(s == 0, n, s == want - 1) for s, n in enumerate(counts)], pp, "even split", placement)
 
 
-def _build(stages: list[tuple[bool, int, bool]], pp: int, spec: str) -> list[StageLayout]:
+def _build(stages: list[tuple[bool, int, bool]], pp: int, spec: str, placement: str) -> list[StageLayout]:
     out, next_layer = [], 0
     for s, (emb, n, head) in enumerate(stages):
         if n == 0 and not emb and not head:
             raise ScheduleError(
                 f"{KEY}={spec!r}: stage {s} is empty (no layers, no E or L); give it at least one layer"
             )
-        rank, chunk = holder_of(s, pp)
+        rank, chunk = holder_of(s, pp, placement)
         out.append(StageLayout(s, rank, chunk, tuple(range(next_layer, next_layer + n)), emb, head))
         next_layer += n
     return out

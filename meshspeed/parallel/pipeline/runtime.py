@@ -12,8 +12,12 @@ whole plan; the runtime adds no ordering of its own:
   starts from loss / m (+ MoE aux / m), so gradients are those of the mean over microbatches,
   exactly what the plain accumulation loop produces.
 - B: backward from the chunk's output, seeded by the received gradient. Split schedules
-  (zero-bubble) take only the input gradient here (split_backward.py) and W accumulates the
-  weight gradients later; every other schedule does the full backward in B.
+  (zero-bubble, dualpipev) take only the input gradient here (split_backward.py) and W
+  accumulates the weight gradients later; every other schedule does the full backward in B,
+  and so does a split schedule's B whose W comes right after it (DualPipeV's "B W").
+- Overlap (`overlap=True`): the adjacent independent F/B pairs pairs.py picks run as one step,
+  the forward on this thread and the backward on a helper, handing over whenever one side's
+  MoE all-to-all is in flight (duet.py). Same arithmetic, so the same losses and gradients.
 - SEND: isend, never waited until the step ends (reaped as they complete).
 - RECV: the irecv was posted one compute earlier, so the transfer overlaps that compute (on
   gloo; see `prefetch`); the runtime waits at the spot the schedule placed the RECV.
@@ -48,7 +52,10 @@ from meshspeed.parallel.pipeline.actions import (
     ScheduleError,
     W,
     holder_of,
+    stage_of,
 )
+from meshspeed.parallel.pipeline.duet import Duet
+from meshspeed.parallel.pipeline.pairs import overlapped
 from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 from meshspeed.parallel.pipeline.split_backward import WeightGrad, split_backward
 from meshspeed.parallel.pipeline.stage import PipelineStages
@@ -88,16 +95,29 @@ class PipelineRuntime:
         trace: bool = False,
         prefetch: bool | None = None,
         positions: torch.Tensor | None = None,
+        overlap: bool = False,
     ):
         """positions: the token positions this rank's micro-batches hold (context parallelism
-        gives each cp rank a slice of every sequence); default 0..seq_len-1."""
+        gives each cp rank a slice of every sequence); default 0..seq_len-1. overlap: run the
+        schedule's overlappable F/B pairs as one step each (pairs.py, duet.py)."""
         self.stages, self.mesh = stages, mesh
         self.pp, self.vpp, self.rank = stages.pp, stages.vpp, stages.rank
         self.name, self.microbatches = schedule, microbatches
-        self.split = get_schedule(schedule).split_backward
+        fn = get_schedule(schedule)
+        self.split, self.placement = fn.split_backward, fn.placement
+        if self.pp > 1 and stages.placement != self.placement:
+            raise ScheduleError(
+                f"schedule {schedule!r} places stages {self.placement!r} but the stages were cut for "
+                f"{stages.placement!r}; build them with placement=get_schedule({schedule!r}).placement"
+            )
         self.schedule = build_schedule(schedule, self.pp, self.vpp, microbatches)
-        validate(self.schedule, self.pp, self.vpp, microbatches, split=self.split)
+        validate(self.schedule, self.pp, self.vpp, microbatches, split=self.split, placement=self.placement)
+        starts: list[list[int]] = [[] for _ in range(self.pp)]
+        if overlap:
+            self.schedule, starts = overlapped(self.schedule, self.pp, self.vpp, self.placement, self.split)
         self.actions = self.schedule[self.rank]
+        self._pairs = {i: self._partner(i) for i in starts[self.rank]}  # F index -> its B's index
+        self.last_duets: list[Duet] = []  # the last step's overlapped pairs (hand-overs, busy time)
         self.group = mesh["pp"]
         self.device = torch.device(mesh.ctx.device)
         tp = mesh["tp"].size
@@ -121,12 +141,22 @@ class PipelineRuntime:
         # the same peer, so there it is posted at its spot.
         self.prefetch = (mesh.ctx.backend == "gloo") if prefetch is None else prefetch
         self.comm = StageComm(self.group, self.device)
-        grad_kind = W if self.split else B
-        self._sync_at = {
-            max(i for i, a in enumerate(self.actions) if a.kind == grad_kind and a.chunk == c)
-            for c in range(self.vpp)
-            if any(a.kind == grad_kind and a.chunk == c for a in self.actions)
-        }
+        # A split B whose own W is the next compute runs the whole backward; that W does nothing.
+        self._fused: dict[int, int] = {}  # B index -> its W's index
+        for i, a in enumerate(self.actions):
+            if a.kind == B and self.split:
+                j = self._partner(i)
+                if j is not None and self.actions[j] == Action(W, a.microbatch, a.chunk):
+                    self._fused[i] = j
+        # Each chunk's last weight-gradient action runs with the dp reduction on (W, or a B
+        # that runs the whole backward).
+        producers = [
+            (a.chunk, i)
+            for i, a in enumerate(self.actions)
+            if (a.kind == W and i not in self._fused.values())
+            or (a.kind == B and (not self.split or i in self._fused))
+        ]
+        self._sync_at = {max(i for c, i in producers if c == chunk) for chunk in {c for c, _ in producers}}
         self._post_before: dict[int, list[int]] = defaultdict(list)
         last_compute = 0
         for i, a in enumerate(self.actions):
@@ -143,7 +173,11 @@ class PipelineRuntime:
 
     # -- helpers ----------------------------------------------------------------------------
     def _stage(self, chunk: int) -> int:
-        return chunk * self.pp + self.rank
+        return stage_of(self.rank, chunk, self.pp, self.placement)
+
+    def _partner(self, i: int) -> int | None:
+        """Index of the first compute action after action i."""
+        return next((j for j in range(i + 1, len(self.actions)) if self.actions[j].is_compute), None)
 
     def _dtype(self) -> torch.dtype:
         return next(self.stages.model.parameters()).dtype
@@ -155,7 +189,7 @@ class PipelineRuntime:
         """Hand `tensor` (activation if kind F, input gradient if B) to its consumer: kept for
         the SEND action, or stored locally when the neighbouring stage is on this rank."""
         stage = self._stage(chunk) + (1 if kind == F else -1)
-        rank, dst_chunk = holder_of(stage, self.pp)
+        rank, dst_chunk = holder_of(stage, self.pp, self.placement)
         if rank == self.rank:
             self._inbox[(kind, mb, dst_chunk)] = tensor.detach()
         else:
@@ -184,24 +218,35 @@ class PipelineRuntime:
         if self.trace:
             comm.barrier(self.group)  # a common origin for the ranks' timelines
         t_start = time.perf_counter()
+        self.last_duets = []
         with _held(dp):
-            for i, a in enumerate(self.actions):
-                for j in self._post_before.get(i, ()):
-                    r = self.actions[j]
-                    self.comm.post_recv((r.kind, r.microbatch, r.chunk), r.peer, self.shape, dtype)
-                t0 = time.perf_counter()
+            i = 0
+            while i < len(self.actions):
+                a, t0 = self.actions[i], time.perf_counter()
+                if i in self._pairs:
+                    end = self._pairs[i]
+                    for k in range(i, end + 1):
+                        self._post(k, dtype)
+                    self._pair(i, end, dp)
+                    if times is not None:  # the pair's span, split by the time each side ran
+                        mid = t0 + self.last_duets[-1].busy[0]
+                        t1 = time.perf_counter()
+                        times += [(t0 - t_start, mid - t_start)] * (end - i) + [(mid - t_start, t1 - t_start)]
+                    i = end + 1
+                    continue
+                self._post(i, dtype)
                 if a.kind in (RECV_F, RECV_B):
                     self._inbox[self._key(a)] = self.comm.take((a.kind, a.microbatch, a.chunk))
                 elif a.kind in (SEND_F, SEND_B):
                     self.comm.send(self._outbox.pop(self._key(a)), a.peer)
                 elif a.kind == F:
                     self._forward(a)
-                else:
-                    sync = dp is None or i in self._sync_at
-                    with contextlib.nullcontext() if sync else dp.no_sync():
-                        self._backward(a) if a.kind == B else self._weight(a)
+                elif a.kind == B or i not in self._fused.values():  # a fused W ran with its B
+                    with self._sync(dp, i):
+                        self._backward(a, i) if a.kind == B else self._weight(a)
                 if times is not None:
                     times.append((t0 - t_start, time.perf_counter() - t_start))
+                i += 1
             self.comm.drain()
         if self._live or self._inbox or self._outbox:
             raise RuntimeError(
@@ -211,13 +256,37 @@ class PipelineRuntime:
         self.last_trace = times
         return self._reduce_losses()
 
+    def _post(self, i: int, dtype) -> None:
+        for j in self._post_before.get(i, ()):
+            r = self.actions[j]
+            self.comm.post_recv((r.kind, r.microbatch, r.chunk), r.peer, self.shape, dtype)
+
+    def _sync(self, dp, i: int):
+        """dp reduction on for a chunk's last weight-gradient action, accumulation elsewhere."""
+        return contextlib.nullcontext() if dp is None or i in self._sync_at else dp.no_sync()
+
+    def _pair(self, i: int, end: int, dp) -> None:
+        """F at i (then its sends) and B at `end`, as one overlapped step (duet.py)."""
+        f, b = self.actions[i], self.actions[end]
+
+        def forward() -> None:
+            self._forward(f)
+            for s in self.actions[i + 1 : end]:  # F's sends leave as soon as F is done
+                self.comm.send(self._outbox.pop(self._key(s)), s.peer)
+
+        duet = Duet()
+        with self._sync(dp, end):
+            duet.run(forward, lambda: self._backward(b, end))
+        self.last_duets.append(duet)
+
     def _reduce_losses(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in self._losses:
             total += loss.double()
         self._losses = []
-        # the last stage is on the last pipeline rank (stage pp*vpp - 1 = chunk vpp-1 of rank pp-1)
-        return comm.broadcast(total.reshape(1), self.group, src=self.pp - 1)[0].cpu()
+        # from the rank holding the last stage: pp-1 ("loop"), 0 (DualPipeV's "v")
+        src = holder_of(self.pp * self.vpp - 1, self.pp, self.placement)[0]
+        return comm.broadcast(total.reshape(1), self.group, src=src)[0].cpu()
 
     def _forward(self, a: Action) -> None:
         chunk = self.stages.chunks[a.chunk]
@@ -250,16 +319,19 @@ class PipelineRuntime:
             leaf if not chunk.is_first or self.split else None, roots, emb
         )
 
-    def _backward(self, a: Action) -> None:
+    def _backward(self, a: Action, i: int) -> None:
         key = (a.microbatch, a.chunk)
         chunk = self.stages.chunks[a.chunk]
-        live = self._live[key] if self.split else self._live.pop(key)
+        full = not self.split or i in self._fused
+        live = self._live.pop(key) if full else self._live[key]
         grads = [None] * len(live.roots)
         if not chunk.is_last:
             grads[0] = self._take(B, a.microbatch, a.chunk)
-        if not self.split:
+        if full:
             torch.autograd.backward(live.roots, grads)
-            if live.leaf is not None:
+            if live.emb is not None:  # split schedule, first stage: the embedding's backward too
+                torch.autograd.backward([live.emb], [live.leaf.grad])
+            elif live.leaf is not None:
                 self._emit(B, a.microbatch, a.chunk, live.leaf.grad)
             return
         inputs = [live.leaf] if live.leaf is not None else []
@@ -302,20 +374,20 @@ class PipelineRuntime:
         self._inbox, self._losses = {}, []
         for c, chunk in enumerate(self.stages.chunks):
             stage = self._stage(c)
+            src = holder_of(stage - 1, self.pp, self.placement)[0]  # unused on the first stage
             for mb, (x, y) in enumerate(micro):
                 if chunk.is_first:
                     h = chunk.embed(x.to(self.device))
-                elif holder_of(stage - 1, self.pp)[0] == self.rank:
+                elif src == self.rank:
                     h = self._inbox.pop((F, mb, c))
                 else:
-                    key = ("eval", mb, c)
-                    self.comm.post_recv(key, holder_of(stage - 1, self.pp)[0], self.shape, dtype)
-                    h = self.comm.take(key)
+                    self.comm.post_recv(("eval", mb, c), src, self.shape, dtype)
+                    h = self.comm.take(("eval", mb, c))
                 out = chunk.body(h, self.positions)
                 if chunk.is_last:
                     self._losses.append(fn(out, y.to(self.device)))
                     continue
-                rank, dst_chunk = holder_of(stage + 1, self.pp)
+                rank, dst_chunk = holder_of(stage + 1, self.pp, self.placement)
                 if rank == self.rank:
                     self._inbox[(F, mb, dst_chunk)] = out
                 else:

@@ -4,11 +4,15 @@ The functions here return compute actions only (F, B, W); `build_schedule` adds 
 actions implied by the stage placement (see comms.py), so the ordering logic of a schedule stays
 readable and the communication rule lives in one place.
 
-Virtual stage s = chunk * pp + rank (Megatron's interleaved placement, see actions.py).
+Virtual stage s = chunk * pp + rank (Megatron's interleaved placement, "loop") for all but
+DualPipeV, whose two chunks per rank form a V ("v": rank r holds stages r and 2pp-1-r); each
+schedule declares its placement and everything downstream (comms, simulation, stage layouts,
+the runtime) reads it from there (see actions.py).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from meshspeed.parallel.pipeline.actions import Action, B, F, ScheduleError, W
@@ -19,13 +23,24 @@ ScheduleFn = Callable[[int, int, int], "list[list[Action]]"]
 SCHEDULES: dict[str, ScheduleFn] = {}
 
 
-def _register(name: str, *, interleaved: bool, split_backward: bool, summary: str):
-    """Record a schedule plus the facts callers need without running it (vpp rule, B/W split)."""
+def _register(
+    name: str,
+    *,
+    interleaved: bool,
+    split_backward: bool,
+    summary: str,
+    placement: str = "loop",
+    chunks: int | None = None,
+):
+    """Record a schedule plus the facts callers need without running it (vpp rule, B/W split,
+    stage placement)."""
 
     def deco(fn):
         fn.schedule_name = name
         fn.interleaved = interleaved  # True: needs vpp >= 2; False: vpp must be 1
+        fn.chunks = chunks  # the one vpp the schedule takes, when it takes exactly one
         fn.split_backward = split_backward  # True: B is input-grad only and a W follows
+        fn.placement = placement  # "loop" or "v": which rank holds which stage (actions.py)
         fn.summary = summary
         SCHEDULES[name] = fn
         return fn
@@ -44,8 +59,9 @@ def get_schedule(name: str) -> ScheduleFn:
 
 def build_schedule(name: str, pp: int, vpp: int, microbatches: int, comms: bool = True) -> list[list[Action]]:
     """The named schedule, with SEND/RECV actions inserted unless comms=False."""
-    compute = get_schedule(name)(pp, vpp, microbatches)
-    return insert_comms(compute, pp, vpp) if comms else compute
+    fn = get_schedule(name)
+    compute = fn(pp, vpp, microbatches)
+    return insert_comms(compute, pp, vpp, fn.placement) if comms else compute
 
 
 def _check(name: str, pp: int, vpp: int, m: int, *, interleaved: bool) -> None:
@@ -186,3 +202,85 @@ def zero_bubble(pp: int, vpp: int, m: int) -> list[list[Action]]:
         acts += [Action(W, i) for i in pending]
         out.append(acts)
     return out
+
+
+@_register(
+    "dualpipev",
+    interleaved=True,
+    chunks=2,
+    split_backward=True,
+    placement="v",
+    summary="DualPipeV: two chunks per rank in a V, steady state pairs a forward of one chunk "
+    "with a backward of the other (overlappable); needs m >= 2pp",
+)
+def dualpipev(pp: int, vpp: int, m: int) -> list[list[Action]]:
+    """DeepSeek's DualPipeV (Sea AI Lab's "cut-in-half" DualPipe), phase by phase.
+
+    Rank r holds stage r (chunk 0, going down) and stage 2pp-1-r (chunk 1, coming back up),
+    so rank 0 embeds and computes the loss. Each chunk takes micro-batches in order. A full
+    backward is written "B W" back to back; a backward whose weight part is deferred (the
+    zero-bubble trick, used only where it fills a bubble) is a B whose W comes later, in FIFO
+    order. The steady phase alternates F0 B1 | F1 B0: a forward of one micro-batch next to the
+    backward of another on the other chunk, which a runtime may run as one overlapped step."""
+    _check("dualpipev", pp, vpp, m, interleaved=True)
+    if vpp != 2:
+        raise ScheduleError(
+            f"dualpipev: vpp={vpp} but DualPipeV holds exactly 2 model chunks per rank; use vpp=2"
+        )
+    if m < 2 * pp:
+        # below 2pp the steady phase of the first ranks would need micro-batches that the
+        # warmup has not produced yet: the phase counts go negative
+        raise ScheduleError(f"dualpipev: microbatches={m} must be >= 2 * pp = {2 * pp}", microbatches=2 * pp)
+    return [_dualpipev_rank(pp, r, m) for r in range(pp)]
+
+
+def _dualpipev_rank(pp: int, r: int, m: int) -> list[Action]:
+    acts: list[Action] = []
+    nf, nb = [0, 0], [0, 0]  # next micro-batch per chunk
+    deferred: deque = deque()  # (mb, chunk) whose W has not run yet
+
+    def fwd(c: int) -> None:
+        acts.append(Action(F, nf[c], c))
+        nf[c] += 1
+
+    def bwd(c: int, defer: bool = False) -> None:
+        acts.append(Action(B, nb[c], c))
+        (deferred.append((nb[c], c)) if defer else acts.append(Action(W, nb[c], c)))
+        nb[c] += 1
+
+    def weight() -> None:
+        acts.append(Action(W, *deferred.popleft()))
+
+    down, up = pp - r - 1, r + 1  # ranks below and (with this one) above this rank
+    for _ in range(2 * down):  # fill: chunk 0 only, the deeper ranks are still idle
+        fwd(0)
+    for _ in range(up):  # both chunks: the first micro-batches turn round at the V's bottom
+        fwd(0)
+        fwd(1)
+    for _ in range(down):  # the gradient goes back before W: the rank above waits on it
+        bwd(1, defer=True)
+        weight()
+        fwd(1)
+    for _ in range(m - 2 * pp + up):  # steady: F0|B1 and F1|B0 pairs
+        fwd(0)
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    for _ in range(down):  # chunk 0 has run out of forwards
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    defer = False
+    for i in range(up):  # drain; the second half defers W into the tail's bubble
+        if i == up // 2 and r % 2 == 1:
+            defer = True
+        bwd(1, defer)
+        if i == up // 2 and r % 2 == 0:
+            defer = True
+        bwd(0, defer)
+    for _ in range(down):
+        weight()
+        bwd(0, defer=True)
+    while deferred:
+        weight()
+    return acts

@@ -35,6 +35,7 @@ from meshspeed.parallel.pipeline.actions import (
     F,
     ScheduleError,
     W,
+    check_placement,
     holder_of,
     stage_of,
 )
@@ -83,6 +84,7 @@ class SimResult:
     peak_activations: list[int]
     microbatches: int = 0
     name: str = ""  # set by analysis.evaluate; used in titles and JSON
+    placement: str = "loop"  # who holds which stage (actions.py)
 
     @property
     def idle(self) -> list[Number]:
@@ -106,13 +108,13 @@ def _div(a: Number, b: Number) -> Number:
     return a / b
 
 
-def _producer(action: Action, rank: int, pp: int, vpp: int) -> tuple[str, int, int] | None:
+def _producer(action: Action, rank: int, pp: int, vpp: int, placement: str) -> tuple[str, int, int] | None:
     """(kind, rank, chunk) of the compute whose output `action` consumes from another stage."""
-    stage = stage_of(rank, action.chunk, pp)
+    stage = stage_of(rank, action.chunk, pp, placement)
     if action.kind == F and stage > 0:
-        return (F, *holder_of(stage - 1, pp))
+        return (F, *holder_of(stage - 1, pp, placement))
     if action.kind == B and stage < pp * vpp - 1:
-        return (B, *holder_of(stage + 1, pp))
+        return (B, *holder_of(stage + 1, pp, placement))
     return None
 
 
@@ -129,19 +131,26 @@ def peak_activations(actions: list[Action], split: bool) -> int:
 
 
 def simulate(
-    schedule: list[list[Action]], pp: int, vpp: int, costs: Costs | None = None, split: bool | None = None
+    schedule: list[list[Action]],
+    pp: int,
+    vpp: int,
+    costs: Costs | None = None,
+    split: bool | None = None,
+    placement: str = "loop",
 ) -> SimResult:
-    """Simulate `schedule` (compute-only ones get communication inserted first).
+    """Simulate `schedule` (compute-only ones get communication inserted first) with its stages
+    held as `placement` says (actions.py).
 
     Raises DeadlockError naming the blocked ranks and what each waits for, and ScheduleError when
     a compute runs before its input (same-rank order wrong, or no RECV placed before it)."""
+    check_placement(placement)
     costs = costs or Costs()
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} ranks but pp={pp}; give one action list per rank")
     if split is None:
         split = any(a.kind == W for acts in schedule for a in acts)
     if pp > 1 and not has_comms(schedule):
-        schedule = insert_comms(schedule, pp, vpp)
+        schedule = insert_comms(schedule, pp, vpp, placement)
 
     ptr = [0] * pp
     clock: list[Number] = [0] * pp
@@ -176,7 +185,7 @@ def simulate(
                 raise ScheduleError(
                     f"rank {rank}: {a} sends the output of {src[0]}{src[1]}.{src[2]} before that compute ran"
                 )
-            msg = message_of(Action(*src), rank, pp, vpp)
+            msg = message_of(Action(*src), rank, pp, vpp, placement)
             if msg is None or msg[1] != a.peer:
                 where = (
                     "nowhere (it stays on this rank or ends the pipeline)"
@@ -199,7 +208,7 @@ def simulate(
             deps.append(((F, a.microbatch, a.chunk), rank, "its forward"))
         if a.kind == W:
             deps.append(((B, a.microbatch, a.chunk), rank, "its input-gradient B"))
-        prod = _producer(a, rank, pp, vpp)
+        prod = _producer(a, rank, pp, vpp, placement)
         if prod is not None:
             deps.append(
                 (
@@ -256,6 +265,7 @@ def simulate(
         busy=busy,
         peak_activations=[peak_activations(acts, split) for acts in schedule],
         microbatches=1 + max((a.microbatch for acts in schedule for a in acts), default=-1),
+        placement=placement,
     )
 
 

@@ -1,7 +1,9 @@
 """Cut a single-device model into pipeline stages for one rank, as its recipe's pipeline units
 say (comm/recipe.py: an embedding, a ModuleDict of blocks keyed by str(index), head modules).
 
-There are pp * vpp virtual stages; stage s = chunk * pp + rank (actions.py). A rank builds ONE
+There are pp * vpp virtual stages, placed on ranks as the schedule says (actions.py: "loop",
+stage s = chunk * pp + rank, or DualPipeV's "v"); each StageLayout records its (rank, chunk),
+and a rank takes the stages that name it. A rank builds ONE
 `nn.Module`, its *stage model*: the single-device model with every block it does not hold
 deleted (the ModuleDict keeps `layers.<i>` names, so FQNs, the seeded init, checkpoints and
 tensor-parallel plans are unchanged), the embedding kept only where stage 0 lives and the head
@@ -32,9 +34,11 @@ from meshspeed.parallel.pipeline.actions import ScheduleError
 from meshspeed.parallel.pipeline.layout import KEY, StageLayout, even_layout, parse_layout
 
 
-def stage_layouts(recipe: Recipe, pp: int, vpp: int = 1, spec: str = "") -> list[StageLayout]:
+def stage_layouts(
+    recipe: Recipe, pp: int, vpp: int = 1, spec: str = "", placement: str = "loop"
+) -> list[StageLayout]:
     """All pp * vpp stages of the recipe's model (explicit layout `spec`, else the even split),
-    or one ConfigError line saying what to change."""
+    held as `placement` says, or one ConfigError line saying what to change."""
     n = recipe.n_layers
     if pp > 1 and recipe.tied:
         alias, owner = recipe.tied[0]
@@ -45,14 +49,14 @@ def stage_layouts(recipe: Recipe, pp: int, vpp: int = 1, spec: str = "") -> list
         )
     try:
         if spec and spec.strip():
-            return parse_layout(spec, pp, vpp, n_layers=n)
+            return parse_layout(spec, pp, vpp, n_layers=n, placement=placement)
         if vpp > 1 and n >= pp * vpp and n % (pp * vpp):  # fewer layers: even_layout says so
             raise ScheduleError(
                 f"parallel.vpp={vpp}: n_layers={n} does not divide into pp*vpp = {pp * vpp} equal model "
                 f"chunks; use a vpp with pp*vpp dividing {n} or give {KEY} explicitly "
                 f"(e.g. '{_counts_hint(n, pp * vpp)}')"
             )
-        return even_layout(n, pp, vpp)
+        return even_layout(n, pp, vpp, placement)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
 
@@ -136,7 +140,11 @@ class PipelineStages:
     ):
         self.model, self.recipe, self.layouts = model, recipe, layouts
         self.rank, self.pp, self.vpp = rank, pp, vpp
-        self.chunks = [StageChunk(model, recipe, layouts[c * pp + rank], pp * vpp) for c in range(vpp)]
+        mine = {s.chunk: s for s in layouts if s.rank == rank}
+        self.chunks = [StageChunk(model, recipe, mine[c], pp * vpp) for c in range(vpp)]
+        # how the stages sit on ranks, read back from the layouts (the runtime checks its
+        # schedule places them the same way)
+        self.placement = "v" if vpp > 1 and pp > 1 and layouts[pp].rank == pp - 1 else "loop"
 
     @property
     def num_stages(self) -> int:
@@ -209,11 +217,13 @@ def build_stages(
     dtype: torch.dtype | None = None,
     layouts: list[StageLayout] | None = None,
     transform=None,
+    placement: str = "loop",
 ) -> PipelineStages:
     """This rank's pipeline stages (pp and rank from `mesh`), tensor parallel over mesh["tp"].
-    `layouts`: the stages already resolved (the trainer's run plan), else from `layout`."""
+    `layouts`: the stages already resolved (the trainer's run plan), else from `layout` and
+    `placement` (the schedule's: get_schedule(name).placement)."""
     pp, rank = mesh.dims.pp, mesh.coords["pp"]
-    layouts = layouts if layouts is not None else stage_layouts(recipe, pp, vpp, layout)
+    layouts = layouts if layouts is not None else stage_layouts(recipe, pp, vpp, layout, placement)
     model = stage_model(
         recipe,
         layouts,

@@ -16,6 +16,7 @@ import os
 from statistics import mean, median
 
 from meshspeed.parallel.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W
+from meshspeed.parallel.pipeline.schedules import SCHEDULES
 from meshspeed.parallel.pipeline.simulate import Costs, SimResult, Span, peak_activations, simulate
 
 
@@ -28,7 +29,8 @@ def measured_result(
     microbatches: int,
     split: bool,
 ) -> SimResult:
-    """SimResult of a recorded step. times[rank][i] = (start, end) of schedule[rank][i], seconds."""
+    """SimResult of a recorded step. times[rank][i] = (start, end) of schedule[rank][i], seconds.
+    An overlapped F/B pair (duet.py) is one span split at the time its forward side ran."""
     origin = min(t[0][0] for t in times if t)
     timelines, busy = [], []
     for acts, ts in zip(schedule, times):
@@ -49,6 +51,7 @@ def measured_result(
         peak_activations=[peak_activations(a, split) for a in schedule],
         microbatches=microbatches,
         name=name,
+        placement=SCHEDULES[name].placement if name in SCHEDULES else "loop",
     )
     return result
 
@@ -91,7 +94,14 @@ def p2p_latency(
 
 def compare(measured: SimResult) -> SimResult:
     """The same schedule simulated with the measured mean costs."""
-    sim = simulate(measured.schedule, measured.pp, measured.vpp, measured.costs, split=measured.split)
+    sim = simulate(
+        measured.schedule,
+        measured.pp,
+        measured.vpp,
+        measured.costs,
+        split=measured.split,
+        placement=measured.placement,
+    )
     sim.name, sim.microbatches = measured.name, measured.microbatches
     return sim
 

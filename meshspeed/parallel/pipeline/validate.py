@@ -6,7 +6,8 @@ Three checks, cheapest first, each failing with one line that names the rank and
 2. order within a rank: F before B of the same (microbatch, chunk), B before W;
 3. deadlock freedom: the schedule (communication inserted if absent) runs to the end in the
    event simulation with non-blocking sends and blocking receives; the simulation also catches
-   receives out of send order on a pair of ranks and sends to the wrong peer.
+   receives out of send order on a pair of ranks and sends to the wrong peer. `placement` is
+   the schedule's (actions.py): which rank holds which stage decides who sends to whom.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ _NAMES = {F: "forward", B: "backward", W: "weight-gradient"}
 
 
 def validate(
-    schedule: list[list[Action]], pp: int, vpp: int, microbatches: int, split: bool | None = None
+    schedule: list[list[Action]],
+    pp: int,
+    vpp: int,
+    microbatches: int,
+    split: bool | None = None,
+    placement: str = "loop",
 ) -> SimResult:
     """Raise ScheduleError (DeadlockError for cycles) if `schedule` is not runnable; else return
     its unit-cost simulation."""
@@ -68,4 +74,4 @@ def validate(
                     f"rank {rank}: {kind}{mb}.{chunk} comes before {before}{mb}.{chunk}; "
                     f"the {_NAMES[kind]} of a microbatch needs its {_NAMES[before]} first"
                 )
-    return simulate(schedule, pp, vpp, Costs(), split=split)
+    return simulate(schedule, pp, vpp, Costs(), split=split, placement=placement)
