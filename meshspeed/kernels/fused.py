@@ -166,3 +166,8 @@ def swiglu_fused(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"swiglu_fused: gate {list(gate.shape)} and up {list(up.shape)} must match")
     return _SwiGLU.apply(gate, up)
+
+
+# Implementations by name, for kernels.choose: "ref" is the reference, the others its equals.
+RMS_NORM = {"ref": rms_norm_ref, "triton": rms_norm_fused}
+SWIGLU = {"ref": swiglu_ref, "triton": swiglu_fused}

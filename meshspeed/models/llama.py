@@ -21,10 +21,11 @@ from torch import nn
 
 from meshspeed.comm.recipe import PipelineUnits, Recipe
 from meshspeed.kernels.loss import cross_entropy_loss
+from meshspeed.kernels.rope import ROPE_QK
 
 from .config import ModelConfig
 from .init import init_tensor
-from .layers import FeedForward, RMSNorm, apply_rope, precompute_rope
+from .layers import FeedForward, RMSNorm, precompute_rope
 from .moe import MOE_TP_STYLE, MoE
 
 
@@ -111,6 +112,7 @@ class Attention(nn.Module):
         # The attention core is swappable data, not code: context parallelism replaces it
         # (meshspeed.parallel.context) without this file importing parallel.
         self.core = attention_core
+        self.rope_impl = "ref"  # models.layers.set_kernels
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None
@@ -123,13 +125,14 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim)  # [batch, seq, heads, head_dim]
         k = k.view(b, s, -1, self.head_dim)  # [batch, seq, kv_heads, head_dim]
         v = v.view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ROPE_QK[self.rope_impl](q, k, cos, sin)
         out = self.core(q, k, v, doc_ids)  # [batch, seq, heads, head_dim]
         return self.wo(out.reshape(b, s, -1))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h)) (the add and the second
+    norm in one call: RMSNorm.forward(a, residual) may fuse them)."""
 
     attention_cls = Attention  # a family varies the attention by subclassing (qwen2.py)
 
@@ -146,8 +149,8 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, y = self.ffn_norm(self.attention(self.attention_norm(x), cos, sin, doc_ids), x)
+        return h + self.feed_forward(y)
 
 
 class Transformer(nn.Module):
