@@ -1,6 +1,8 @@
 """Benchmarks run end to end. Slow (they spawn workers and time steps), so excluded by
 default: `python -m pytest -m slow`. Times are never asserted; only that the script runs,
-prints its table, and that meshspeed and each peer computed the same losses."""
+prints its table, and that meshspeed and each peer computed the same losses. The shared
+harness and the peers are checked fast: a peer that computes something other than the
+single-device model would make every ratio against it meaningless."""
 
 from __future__ import annotations
 
@@ -10,6 +12,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from benchmarks import harness, peers
+from meshspeed import comm
+from meshspeed.models import cross_entropy_loss
+from tests import harness as pool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,9 +39,59 @@ def _env() -> dict:
 
 
 def _bench(script: str, args: list, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run benchmarks/<script> with args in a clean environment; the completed process."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
+    """Run `python -m benchmarks.<script>` with args in a clean environment, from cwd with the
+    repository importable; the completed process."""
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+# ------------------------------------------------------------------------------ harness and peers
+def test_storage_bytes_counts_each_storage_once_and_released_ones_as_zero():
+    base = torch.zeros(64)  # 256 bytes
+    other = torch.zeros(8, dtype=torch.float64)  # 64 bytes
+    assert harness.storage_bytes([base, base[:8], base.view(8, 8), other, None]) == 256 + 64
+    gone = torch.zeros(32)
+    gone.untyped_storage().resize_(0)  # as ZeRO-3 releases a gathered block
+    assert harness.storage_bytes([base, gone]) == 256
+    assert harness.storage_bytes([torch.empty(4, device="meta")]) == 0
+
+
+def test_ratio_and_agreement():
+    assert harness.ratio([1.0, 2.0, 4.0], [2.0, 2.0, 2.0]) == (1.0, 0.5, 2.0)
+    assert harness.agree([1.0, 2.0], [1.0, 2.0 * (1 + 1e-6)], 1e-5)
+    assert not harness.agree([1.0, 2.0], [1.0, 2.0 * (1 + 1e-4)], 1e-5)
+
+
+def _tp_peer_matches_one_device(ctx, sp: bool):
+    """DTensor TP (+SP) on the tp ranks computes the single-device loss and gradients."""
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    ref = harness.preset_model("tiny", 16, seed=0)
+    ref_loss = cross_entropy_loss(ref(x), y)
+    ref_loss.backward()
+    mesh = comm.ParallelDims(tp=ctx.world_size).build(ctx)
+    model = peers.dtensor_tp(harness.preset_model("tiny", 16, seed=0), mesh.device_mesh["tp"], sp)
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    # one AdamW step on each (the benchmark's second loss): the sharded gradients must update
+    # every piece as the whole gradient updates the whole weight
+    for m in (ref, model):
+        peers.adamw(m).step()
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    torch.testing.assert_close(loss, cross_entropy_loss(ref(x), y), rtol=1e-5, atol=1e-6)
+    return []
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_dtensor_tp_peer_matches_one_device(sp):
+    assert pool.run(2, _tp_peer_matches_one_device, sp) == [[], []]
 
 
 @pytest.mark.slow
@@ -46,8 +104,10 @@ def test_train_step_benchmark_runs(tmp_path):
     assert "LOSS MISMATCH" not in out.stdout, out.stdout
     data = json.load(open(rows_file))
     assert not data["loss_mismatch"]
-    configs = {r["config"] for r in data["rows"] if "meshspeed_ms" in r}
-    assert {"dp=2 zero=0", "dp=2 zero=2", "dp=1 tp=2", "dp=1 tp=2 sp"} <= configs
+    timed = [r for r in data["rows"] if "meshspeed_ms" in r]
+    assert {"dp=2 zero=0", "dp=2 zero=2", "dp=1 tp=2", "dp=1 tp=2 sp"} <= {r["config"] for r in timed}
+    # every row compares with something: a peer that fails leaves its row without a ratio
+    assert all(r["peer_ms"] and r["ratio"] and not r["error"] for r in timed), timed
 
 
 @pytest.mark.slow  # 4 ranks building a model: the born-sharded storage check runs in test_tensor.py
