@@ -204,7 +204,10 @@ def all_gather(
                 parts[me].copy_(x.view(-1))
                 alg.ring_all_gather(lane, members, me, parts)
             else:
-                torch.cat(alg.bruck_all_gather(lane, members, me, x.view(-1), elems), out=flat_out)
+                mine = x.view(-1)
+                if mine.untyped_storage().data_ptr() == flat_out.untyped_storage().data_ptr():
+                    mine = mine.clone()  # gathered in place (x is out's own chunk): cat cannot alias
+                torch.cat(alg.bruck_all_gather(lane, members, me, mine, elems), out=flat_out)
 
         start = _runner(group, async_op, run)
     key = f"dim={dim}" + (f" sizes={sizes}" if uneven else "")

@@ -63,6 +63,7 @@ class SharedMasterShard:
     too. Outside, reading `master` decodes a fresh copy."""
 
     owns_master = True
+    writes_params = True  # close() writes the rounded master into the parameters' slice itself
 
     def __init__(self, storage: torch.Tensor, data: torch.Tensor, lo: int, hi: int, st):
         self.storage = storage  # int16 [N + M]: the bf16 bucket, then the residuals

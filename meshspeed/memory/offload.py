@@ -15,11 +15,26 @@ path). The device holds about two buckets' state during the step and none outsid
 update runs on the device exactly as before, so losses are bit-identical; the step count is a
 host integer as ever. Reading or loading the state (checkpoints) goes through the same
 open/close, so it sees what the last copy wrote.
+
+Overlap with backward (`EarlyUpdates`, on by default). With the state on the host the step is
+copies plus updates, and they need not wait for the step: a bucket is final once its gradient
+reduction has landed in the last micro-batch's backward, and from then on its copy in, update
+and copy out run while backward goes on with earlier layers. Until the step decides, the step
+may still be skipped (a non-finite loss or norm) or its gradients clipped, so such an early
+update is provisional: its new state goes to a second host buffer (the old one is kept) and its
+parameters are written as the step would write them; step() then keeps it (the buffers swap, the
+ZeRO gather goes out as usual) when it was made with this step's very hyper-parameters and
+unscaled gradients, and otherwise puts the parameters back from the old masters and updates as
+before. Either way the result is the plain order's bit for bit. Early updates are only tried
+after a step that was neither clipped nor skipped (a run that clips every step never pays for
+undoing them), and only where the master is offloaded with the moments (bf16 parameters: an fp32
+parameter is its own master, which an update cannot take back).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -70,13 +85,13 @@ class HostState:
             dev.record_stream(torch.cuda.current_stream(self.device))  # allocated on to_device
         return dev
 
-    def put(self, j: int, dev: torch.Tensor) -> None:
-        """Start copying shard j's updated state back to its host buffer."""
+    def put(self, j: int, dev: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        """Start copying shard j's updated state back to its host buffer (or `into`)."""
         sh = self.shards[j]
         if self.cuda:
             self.to_host.wait_stream(torch.cuda.current_stream(self.device))  # the update is done
         with self._stream(self.to_host):
-            sh.host.copy_(dev, non_blocking=self.cuda)
+            (sh.host if into is None else into).copy_(dev, non_blocking=self.cuda)
             if self.cuda:
                 dev.record_stream(self.to_host)  # not reused before the copy has read it
                 sh.stored = self.to_host.record_event()
@@ -95,6 +110,7 @@ class HostShard:
     def __init__(self, state: HostState, index: int, st):
         self.state, self.index, self.decay = state, index, st.decay
         self.owns_master = st.owns_master
+        self.writes_params = False
         self._device_master = None if st.owns_master else st.master
         rows = [st.master, st.exp_avg, st.exp_avg_sq] if st.owns_master else [st.exp_avg, st.exp_avg_sq]
         self.host = torch.empty(
@@ -103,6 +119,7 @@ class HostShard:
         for r, t in enumerate(rows):
             self.host[r].copy_(t)
         self.stored = None  # CUDA event: the last device->host copy has landed
+        self.spare: torch.Tensor | None = None  # EarlyUpdates' second buffer: a provisional state
         self._dev: torch.Tensor | None = None
         self._bind(self.host)
 
@@ -117,22 +134,94 @@ class HostShard:
             self._dev = self.state.take(self.index)
             self._bind(self._dev)
 
-    def close(self, changed: bool = True) -> None:
+    def close(self, changed: bool = True, provisional: bool = False) -> None:
+        """provisional: the updated state goes to the spare buffer, `host` keeps the old one
+        (until keep() swaps them)."""
         if self._dev is None:
             return
         if changed:
-            self.state.put(self.index, self._dev)
+            if provisional and self.spare is None:
+                self.spare = torch.empty_like(self.host, pin_memory=self.state.cuda)
+            self.state.put(self.index, self._dev, into=self.spare if provisional else None)
         self._dev = None
+        self._bind(self.host)
+
+    def keep(self) -> None:
+        """The provisional state becomes the state (a swap, no copy)."""
+        self.host, self.spare = self.spare, self.host
         self._bind(self.host)
 
     def nbytes(self) -> int:
         return 0  # nothing stays on the device
 
 
+class EarlyUpdates:
+    """Bucket updates made during the last micro-batch's backward, kept or undone by step()
+    (see the module docstring). Installed as opt.early; fed by DataParallel.on_final."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.done = 0  # buckets 0 .. done-1 updated ahead in this backward
+        self.key = None  # (hyper-parameters, gradient version) they were made with
+        self.enabled = False  # the last step was neither clipped nor skipped
+        self.stats = {"ahead": 0, "kept": 0, "undone": 0}
+        opt.dp.on_final.append(self.final)
+
+    @torch.no_grad()
+    def final(self, i: int) -> None:
+        """Bucket i's gradient is final: update it now (in bucket order, as step() would)."""
+        opt, dp = self.opt, self.opt.dp
+        sh = opt.shards[i]
+        if not self.enabled or i != self.done or not sh.owns_master:
+            return
+        hp = dataclasses.replace(opt.hyper(), step=opt.step_count + 1)
+        key = (hp, dp.grad_version)
+        if self.done and key != self.key:
+            return
+        self.key = key
+        opt.update_bucket(i, hp, step_t=opt.step_tensor(hp), close=False)
+        sh.close(provisional=True)
+        self.done += 1
+        self.stats["ahead"] += 1
+
+    @torch.no_grad()
+    def settle(self, hp, clip_coef, found_inf) -> int:
+        """At step(), after the step's own decisions: how many leading buckets stand updated."""
+        clean = (clip_coef is None or float(clip_coef) >= 1.0) and (found_inf is None or not bool(found_inf))
+        n, self.enabled = self.done, clean
+        if not n:
+            return 0
+        if clean and self.key == (hp, self.opt.dp.grad_version):
+            for i in range(n):
+                self.opt.shards[i].keep()
+            self.done, self.key = 0, None
+            self.stats["kept"] += n
+            return n
+        self.discard()
+        return 0
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Undo the early updates: the host still holds the old state; the parameters they wrote
+        are rebuilt from the old masters (rounded as the publish rounds them)."""
+        if not self.done:
+            return
+        opt = self.opt
+        for i in range(self.done):
+            sh = opt.shards[i]
+            opt.dp.before_update(i)
+            sh.open()
+            opt.dp.param_slice(i).copy_(sh.master)
+            sh.close(changed=False)
+        self.stats["undone"] += self.done
+        self.done, self.key, self.enabled = 0, None, False  # not again until a step goes through
+
+
 @torch.no_grad()
-def offload_optimizer(opt) -> HostState:
-    """Move a freshly built ZeroAdamW's state to the host (its shards replaced by HostShards).
-    Returns the HostState (copy statistics, host bytes)."""
+def offload_optimizer(opt, overlap: bool = True) -> HostState:
+    """Move a freshly built ZeroAdamW's state to the host (its shards replaced by HostShards);
+    overlap: update buckets during backward (EarlyUpdates, opt.early). Returns the HostState
+    (copy statistics, host bytes)."""
     device = opt.dp.buckets[0].data.device
     state = HostState(device)
     for i, st in enumerate(opt.shards):
@@ -140,4 +229,6 @@ def offload_optimizer(opt) -> HostState:
         state.shards.append(sh)
         opt.shards[i] = sh
     opt.offload = state
+    if overlap and opt.dp.zero3 is None:
+        opt.early = EarlyUpdates(opt)
     return state

@@ -117,11 +117,13 @@ class Bucket:
         self.ready = 0
         self.handle = None
         self.freed = False
+        self.landed: set[str] = set()  # parameters with a gradient in `grad` since it was zeroed
 
     def materialize(self) -> None:
         if self.freed:
             self.grad.untyped_storage().resize_(self.nbytes)
             self.grad.zero_()
+            self.landed.clear()
             self.freed = False
 
     def free(self) -> None:

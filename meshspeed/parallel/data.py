@@ -40,7 +40,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.comm import placement
 from meshspeed.parallel import zero3 as zero3_mod
-from meshspeed.parallel.buckets import Bucket, aliases, describe, plan_buckets, segments
+from meshspeed.parallel.buckets import Bucket, aliases, describe, plan_buckets
 
 GROUPS = ("dp", "dp_cp")  # dp_cp with context parallelism: cp ranks see other tokens of a sample
 
@@ -115,6 +115,7 @@ class DataParallel:
         # fp32 copies of the starting values for the optimizer's masters, when the parameter
         # buffer cannot give them exactly (bf16 storage of an fp32 model); see master_source.
         self._source: list[torch.Tensor | None] = []
+        self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # param_slice's, by bucket
         self._gviews: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for b in self.buckets:
@@ -143,11 +144,17 @@ class DataParallel:
         self.require_grad_sync = True
         self._marked: set[str] = set()
         self._next = 0  # next bucket to launch
+        self._final = 0  # next bucket to report to on_final
+        # on_final: called with i once bucket i's reduction has landed in a synchronising
+        # backward (memory.offload's early update); grad_version: bumped whenever gradients change
+        # outside backward (scaled, zeroed), so that such an early update knows it is stale
+        self.on_final: list = []
+        self.grad_version = 0
         self._dirty = False  # gradients accumulated since the last reduction
         # grad_comm_bytes: gradient bytes handed to dp collectives (payload, not per-algorithm wire bytes)
         self.stats = {"launched_in_backward": 0, "launched_in_finish": 0, "syncs": 0, "grad_comm_bytes": 0}
         self.grad_comm = None  # meshspeed.parallel.sparse_comm.SparseGradComm: packs masked gradients
-        self._norm_plan: list[tuple[int, int, int, bool]] | None = None
+        self._norm_plan: list[tuple[int, int, int, bool]] | None = None  # grad_norm.norm_segments
         self.events: list[tuple[str, object]] | None = None  # set to [] to log ("grad", name) / ("launch", i)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in named]
         # ZeRO-3: this rank keeps 1/dp of the parameters; blocks are gathered around their use
@@ -189,16 +196,18 @@ class DataParallel:
         for b in self.buckets:
             b.ready = 0
         self._marked.clear()
-        self._next, self._dirty = 0, False
+        self._next, self._final, self._dirty = 0, 0, False
         self.stats["syncs"] += 1
 
     @torch.no_grad()
     def zero_grad(self) -> None:
         self.finish_grad_sync()  # never zero a buffer a collective is still writing
+        self.grad_version += 1
         for b in self.buckets:
             if b.freed:
                 continue  # zero=2: re-allocated zeroed by the next backward
             b.grad.zero_()
+            b.landed.clear()
             if self.views_grad:
                 for s in b.spec.slots:
                     self.params[s.name].grad = self._gviews[s.name]
@@ -234,16 +243,43 @@ class DataParallel:
                 self.buckets[self._next].spec.slots
             ):
                 self._launch(self._next, "launched_in_backward")
+            if self.on_final:
+                self._report_final()
 
         return hook
 
+    def _report_final(self) -> None:
+        """Call on_final(i), in bucket order, for each launched bucket whose reduction has landed
+        (polled, never waited for: backward goes on meanwhile). A bucket is final then: no later
+        gradient of this step can reach it."""
+        while self._final < self._next:
+            h = self.buckets[self._final].handle
+            if h is not None:
+                done = getattr(h, "is_completed", None)
+                if done is None or not done():
+                    return
+                h.wait()  # landed: this only runs the collective's finishing (the average)
+                self.buckets[self._final].handle = None
+            for fn in self.on_final:
+                fn(self._final)
+            self._final += 1
+
     @torch.no_grad()
     def _accumulate(self, p: torch.Tensor, name: str, b: Bucket) -> None:
+        """The gradient lands in the fp32 bucket once, Megatron's main-grad way: fp32 ones are
+        the bucket itself (autograd adds in place); a bf16 one (or the first after a release) is
+        copied in when it is the parameter's first since the bucket was zeroed (the copy casts
+        in the same pass, where a CPU add would cast into a temporary first), added otherwise,
+        and dropped: no p.grad is kept."""
         b.materialize()
         view, g = self._gviews[name], p.grad
         if g is None or aliases(g, view):
             return  # autograd accumulated into the bucket itself
-        view.add_(g)  # first gradient after a free / zero_grad(set_to_none), or a bf16 one
+        if name in b.landed:
+            view.add_(g)
+        else:
+            view.copy_(g)
+            b.landed.add(name)
         p.grad = view if self.views_grad else None
 
     def _launch(self, i: int, counter: str) -> None:
@@ -313,10 +349,24 @@ class DataParallel:
 
     def master_alias(self, i: int) -> torch.Tensor | None:
         """A buffer that can be the optimizer's fp32 master of bucket i itself (no copy), or None:
-        the parameters at zero=0, this rank's parameter shard at zero=3, when they are fp32."""
-        if self.param_dtype != torch.float32 or self.zero not in (0, 3):
-            return None
-        return self.buckets[i].data if self.zero == 0 else self.zero3.shards[i]
+        this rank's part of the parameter storage (param_slice) when the parameters are fp32."""
+        return self.param_slice(i) if self.param_dtype == torch.float32 else None
+
+    def param_slice(self, i: int) -> torch.Tensor:
+        """The parameter storage of this rank's opt_range of bucket i, where the optimizer writes
+        the updated (rounded) parameters before publish(i): the bucket, its 1/dp slice, or at
+        ZeRO-3 the rank's shard. Made once per buffer (a slice is an operator call)."""
+        b = self.buckets[i]
+        cached = self._slices.get(i)
+        if cached is not None and cached[0] is b.data:
+            return cached[1]
+        if self.zero3 is not None:
+            out = self.zero3.shards[i]
+        else:
+            lo, hi = self.opt_range(i)
+            out = b.data if (lo, hi) == (0, b.spec.numel) else b.data[lo:hi]
+        self._slices[i] = (b.data, out)
+        return out
 
     @torch.no_grad()
     def load_params(self, i: int, full: torch.Tensor) -> None:
@@ -329,42 +379,33 @@ class DataParallel:
     def release_master_source(self) -> None:
         self._source = [None] * len(self.buckets)
 
-    def publish(self, i: int, master: torch.Tensor):
-        """Write updated fp32 `master` (this rank's opt_range of bucket i) into the parameters
-        of every dp rank; returns a handle to wait on (or None)."""
-        b = self.buckets[i]
-        lo, hi = self.opt_range(i)
+    def before_update(self, i: int) -> None:
+        """Before the optimizer rewrites bucket i's param_slice: the previous step's gather of
+        that slice (zero_prefetch: still in flight) must have read it."""
+        prefetch = getattr(self, "prefetch", None)
+        if prefetch is not None:
+            prefetch.wait_bucket(i)
+
+    def publish(self, i: int):
+        """Bring the updated param_slice(i) to every dp rank's parameters (the optimizer has
+        written it); returns a handle to wait on (or None). ZeRO-1/2 gather in place from the
+        slice into the bucket; ZeRO-3 gathers at the next use."""
         group = self.group_of(i)
         if not self.zero or group.size == 1:
-            if not aliases(master, b.data[lo:hi]):
-                b.data[lo:hi].copy_(master)
             return None
         if self.zero3 is not None:  # the shard is the parameter storage: the next forward gathers
-            return self.zero3.publish(i, master)
-        src = master if master.dtype == b.data.dtype else master.to(b.data.dtype)
+            return self.zero3.publish(i)
+        src, b = self.param_slice(i), self.buckets[i]
         prefetch = getattr(self, "prefetch", None)  # zero_prefetch.py: gathered during the next forward
         if prefetch is not None:
-            # the next step updates the master in place, maybe before this gather has landed
-            return prefetch.publish(i, master.clone() if src is master else src)
+            return prefetch.publish(i, src)
         return comm.all_gather(src, group, out=b.data, async_op=True)
 
     @torch.no_grad()
     def scale_grads_(self, coef: torch.Tensor) -> None:
+        self.grad_version += 1
         for b in self.buckets:
             (b.grad_shard if b.grad_shard is not None else b.grad).mul_(coef)
-
-    def norm_segments(self) -> list[tuple[torch.Tensor, bool]]:
-        """(reduced gradient piece, distinct over tp) covering this rank's dp slice of every bucket:
-        a tp-split parameter's, or any expert bucket's when ep or edp spans tp."""
-        if self._norm_plan is None:
-            self._norm_plan = []
-            for i, spec in enumerate(self.specs):
-                lo, hi = self.dp_shard(i)
-                spans = self._experts_vary_over_tp and spec.kind == "expert"
-                for tp in (False, True):
-                    keep = lambda s, tp=tp: (spans or tp_sharded(self.params[s.name])) == tp  # noqa: E731
-                    self._norm_plan += [(i, lo + a, lo + e, tp) for a, e in segments(spec, lo, hi, keep)]
-        return [(self.reduced_grad(i, a, e), tp) for i, a, e, tp in self._norm_plan]
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now (counted, not estimated)."""
@@ -377,22 +418,6 @@ class DataParallel:
     def layout(self) -> str:
         """The bucket layout, one line per bucket."""
         return describe(self.specs)
-
-
-def tp_sharded(p: torch.Tensor) -> bool:
-    """True for a tensor-parallel piece (comm.placement). An "ep" split is the bucket's business
-    (expert buckets are sharded over edp, so ranks hold disjoint pieces); other axes are unknown."""
-    sharding = placement.sharding_of(p)
-    if sharding is None:
-        return False
-    others = [d for d, _ in sharding.axes if d not in ("tp", "ep")]
-    if others:
-        raise comm.ConfigError(
-            f"parameter split over {', '.join(others)} ({sharding}): gradient-norm "
-            "accounting knows tensor- and expert-parallel splits only; extend "
-            "meshspeed.parallel.data.tp_sharded"
-        )
-    return any(d == "tp" for d, _ in sharding.axes)
 
 
 def _expert_sharded(p: torch.Tensor) -> bool:

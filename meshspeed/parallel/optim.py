@@ -1,32 +1,33 @@
 """AdamW over DataParallel's flat buckets (ZeRO 0/1/2/3), and global gradient-norm clipping.
 
 ZeroAdamW keeps, for the part of each bucket this rank updates (the whole bucket at zero=0,
-its 1/dp slice at zero=1/2/3), an fp32 master copy of the parameters (shared with the parameter
-buffer itself when that is fp32 and unsharded) and the two AdamW moments. The update is
-torch.optim.AdamW's (decoupled weight decay, bias correction, the same operation order), run
-elementwise on flat slices, so a float32 run equals torch's to rounding.
+its 1/dp slice at zero=1/2/3), an fp32 master copy of the parameters and the two AdamW moments.
+In float32 the parameters' own storage is the master (the bucket at zero=0, its slice at
+ZeRO-1/2, the rank's shard at ZeRO-3): updated in place and gathered from, never cloned. The
+update is torch.optim.AdamW's (decoupled weight decay, bias correction), one kernel per bucket
+(meshspeed.kernels.adamw: Triton on CUDA, torch's fused AdamW elsewhere) that also writes the
+published bf16 parameters, applies the clipping factor and honours a non-finite flag; a float32
+run equals torch's to rounding.
 
 Weight decay: applied to parameters of two or more dimensions (matrices, embeddings included),
 not to 1-D ones (norm weights, biases), as nanoGPT and Megatron do; pass
 `no_decay(name, param) -> bool` to choose otherwise.
 
-Gradient norm: the norm of the logical (single-device) model's gradient. Each rank sums the
-squares it is responsible for and one all-reduce over the world adds them: tensor-parallel
-shards (CONTRACTS.md §1) count on every tp rank, replicated parameters only on tp rank 0;
-DataParallel's buckets count only this rank's 1/dp slice (disjoint; under zero=2 that is all it
-holds); pipeline stages all count (their parameters differ); context-parallel replicas only once.
+Gradient norm and clipping: grad_norm.py (re-exported here).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.kernels.adamw import AdamWHyper, DecayLayout, _ViewCache, adamw_, resolve_impl
 from meshspeed.parallel.buckets import segments
-from meshspeed.parallel.data import DataParallel, tp_sharded
+from meshspeed.parallel.data import DataParallel
+from meshspeed.parallel.grad_norm import clip_coefficient, clip_grad_norm_, grad_norm
+
+__all__ = ["ZeroAdamW", "build_data_parallel", "clip_coefficient", "clip_grad_norm_", "grad_norm"]
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -42,12 +43,15 @@ class _Shard:
     the host); between open() and close() `master`, `exp_avg` and `exp_avg_sq` are fp32
     tensors on the parameters' device, to read and change in place."""
 
-    def __init__(self, master: torch.Tensor, decay: list[tuple[int, int]], owns_master: bool):
+    writes_params = False  # close() leaves the parameters alone: the kernel publishes them
+
+    def __init__(self, master: torch.Tensor, decay: DecayLayout, owns_master: bool):
         self.master = master
         self.exp_avg = torch.zeros_like(master)
         self.exp_avg_sq = torch.zeros_like(master)
         self.decay = decay
         self.owns_master = owns_master
+        self.views = _ViewCache()
 
     def open(self) -> None:
         """Before the state is read or changed (here it always is where it lives)."""
@@ -65,6 +69,8 @@ class ZeroAdamW:
 
     param_groups[0] holds lr, betas, eps, weight_decay (a scheduler may set "lr" there, or
     call set_lr). step() finishes the gradient reduction first; zero_grad() zeros the buckets.
+    impl: the update kernel, "auto" (Triton on CUDA, torch's fused AdamW elsewhere), "triton",
+    "torch" or "reference" (one pass per term: the original arithmetic, bit for bit).
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class ZeroAdamW:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         no_decay=None,
+        impl: str = "auto",
     ):
         if not lr >= 0:
             raise comm.ConfigError(f"lr={lr!r} must be >= 0")
@@ -84,6 +91,10 @@ class ZeroAdamW:
         if not eps > 0 or not weight_decay >= 0:
             raise comm.ConfigError(f"eps={eps!r} must be > 0 and weight_decay={weight_decay!r} >= 0")
         self.dp = dp
+        self.impl = resolve_impl(impl, dp.buckets[0].data.device)
+        self._skip_pending: torch.Tensor | None = None  # a device-side skip flag not read yet
+        self.early = None  # memory.offload.EarlyUpdates: buckets updated during backward
+        self._step_t: torch.Tensor | None = None
         self.param_groups = [
             {
                 "lr": float(lr),
@@ -100,11 +111,14 @@ class ZeroAdamW:
             lo, hi = dp.opt_range(i)
             alias = dp.master_alias(i)
             if alias is not None:
-                master, owns = alias, False  # fp32 parameters (zero=3: their shard) are the master
+                master, owns = alias, False  # fp32 parameters (their slice, or shard) are the master
             else:
                 master, owns = dp.master_source(i)[lo:hi].clone(), True
-            self.shards.append(_Shard(master, segments(b.spec, lo, hi, lambda s: s.name in decayed), owns))
+            layout = DecayLayout(hi - lo, segments(b.spec, lo, hi, lambda s: s.name in decayed))
+            self.shards.append(_Shard(master, layout, owns))
         dp.release_master_source()
+        # views made once: slicing is an operator call per bucket and step otherwise
+        self._grads = [dp.reduced_grad(i, *dp.opt_range(i)) for i in range(len(dp.buckets))]
 
     # -- scheduler hooks -------------------------------------------------------------------
     @property
@@ -116,42 +130,80 @@ class ZeroAdamW:
 
     # -- step ------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - buckets are reused, never None
+        if self.early is not None:
+            self.early.discard()  # a skipped step: what backward updated ahead is undone
         self.dp.zero_grad()
 
+    def _settle(self) -> None:
+        """Take back the count of a step its kernel skipped on the device (found_inf), read
+        one step late so that the step itself never waited for the flag."""
+        if self._skip_pending is not None:
+            self.step_count -= int(bool(self._skip_pending))
+            self._skip_pending = None
+
+    def hyper(self) -> AdamWHyper:
+        g = self.param_groups[0]
+        return AdamWHyper(g["lr"], *g["betas"], g["eps"], g["weight_decay"], self.step_count)
+
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, clip_coef: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+        """One AdamW step. clip_coef: 0-d tensor the gradients are multiplied by first (the
+        buckets keep the product, as clip_grad_norm_ leaves them; see clip_coefficient);
+        found_inf: 0-d tensor, nonzero = change nothing (on CUDA decided by the kernel, with no
+        host synchronisation: the step count is corrected at the next step)."""
         dp = self.dp
         dp.finish_grad_sync()
+        self._settle()
+        on_device = self.impl == "triton"  # the others read the scalars on the host
+        if found_inf is not None and not on_device:
+            if bool(found_inf):
+                if self.early is not None:
+                    self.early.discard()
+                return
+            found_inf = None
+        if clip_coef is not None and not on_device and float(clip_coef) >= 1.0:
+            clip_coef = None  # clip_grad_norm_'s rule: no product when nothing is clipped
         self.step_count += 1
-        g = self.param_groups[0]
-        lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-        step = float(self.step_count)
-        # Exactly torch.optim.AdamW's (single-tensor, non-capturable) scalar arithmetic.
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        step_size = lr / bias_correction1
+        self._skip_pending = found_inf
+        hp = self.hyper()
+        # memory.offload's early updates (made during backward) stand or are undone here
+        ahead = self.early.settle(hp, clip_coef, found_inf) if self.early is not None else 0
+        step_t = self.step_tensor(hp)
+        scale = clip_coef.reciprocal() if clip_coef is not None and self.impl == "torch" else None
         handles = []
-        for i, st in enumerate(self.shards):
-            lo, hi = dp.opt_range(i)
-            grad = dp.reduced_grad(i, lo, hi)
-            if grad.dtype != torch.float32:
-                grad = grad.float()
-            st.open()
-            p = st.master
-            if wd:
-                for a, e in st.decay:
-                    p[a:e].mul_(1 - lr * wd)
-            st.exp_avg.lerp_(grad, 1 - beta1)
-            st.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (st.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-            p.addcdiv_(st.exp_avg, denom, value=-step_size)
-            st.close()
+        for i in range(len(self.shards)):
+            if i >= ahead:
+                self.update_bucket(i, hp, clip_coef, found_inf, step_t, grad_scale=scale)
             # Issued per bucket so the gather of bucket i overlaps the update of bucket i+1.
-            h = dp.publish(i, p)
+            h = dp.publish(i)
             if h is not None:
                 handles.append(h)
         for h in handles:
             h.wait()
+
+    def step_tensor(self, hp: AdamWHyper) -> torch.Tensor | None:
+        """The step count as torch's fused kernel takes it: one tensor, set once per step."""
+        if self.impl != "torch":
+            return None
+        if self._step_t is None:
+            self._step_t = torch.zeros((), device=self.dp.buckets[0].data.device)
+        return self._step_t.fill_(float(hp.step))
+
+    def update_bucket(self, i: int, hp: AdamWHyper, clip_coef=None, found_inf=None, step_t=None,
+                      close: bool = True, grad_scale=None) -> None:  # fmt: skip
+        """Bucket i's update: its state opened, one kernel (writing the published parameters
+        into dp.param_slice(i) too), closed unless `close` is False (the caller closes it)."""
+        dp, st = self.dp, self.shards[i]
+        dp.before_update(i)  # a gather still reading (or writing) the parameters' slice
+        st.open()
+        out = None if st.writes_params else dp.param_slice(i)
+        if out is not None and out.data_ptr() == st.master.data_ptr():
+            out = None  # fp32: the master is the parameters' storage
+        adamw_(st.master, self._grads[i], st.exp_avg, st.exp_avg_sq, hp, st.decay, impl=self.impl,
+               clip_coef=clip_coef, found_inf=found_inf, out=out, step_t=step_t,
+               cache=getattr(st, "views", None), grad_scale=grad_scale)  # fmt: skip
+        if close:
+            st.close()
 
     # -- per-parameter state (CONTRACTS.md §2) ---------------------------------------------
     def _full_state(self, i: int) -> torch.Tensor:
@@ -178,6 +230,7 @@ class ZeroAdamW:
                     k: full[j, s.offset : s.offset + s.numel].view(s.shape).clone()
                     for j, k in enumerate(STATE_KEYS)
                 }
+        self._settle()
         out["__step__"] = self.step_count
         return out
 
@@ -212,7 +265,7 @@ class ZeroAdamW:
             st.exp_avg_sq.copy_(full[2, lo:hi])
             st.close()
             dp.load_params(i, full[0])
-        self.step_count = int(state["__step__"])
+        self.step_count, self._skip_pending = int(state["__step__"]), None
 
     @torch.no_grad()
     def reset_state_where(self, param: torch.Tensor, where: torch.Tensor) -> int:
@@ -256,72 +309,6 @@ class ZeroAdamW:
         return sum(st.nbytes() for st in self.shards)
 
 
-# ------------------------------------------------------------------------------ clipping
-def _owner(mesh, dims: tuple[str, ...]) -> bool:
-    return all(mesh.coords[d] == 0 for d in dims)
-
-
-def grad_norm(target, mesh, norm_type: float = 2.0) -> torch.Tensor:
-    """Norm of the logical model's gradient (fp32 scalar, the same on every rank); collective
-    over the world. target: a DataParallel, ZeroAdamW, nn.Module or iterable of parameters
-    (plain parameters: .main_grad if present, else .grad, taken as reduced over dp)."""
-    norm_type = float(norm_type)
-    if not norm_type > 0:
-        raise comm.ConfigError(f"norm_type={norm_type!r} must be > 0 (2.0, or inf for the max norm)")
-    if isinstance(target, ZeroAdamW):
-        target = target.dp
-    if isinstance(target, DataParallel):
-        target.finish_grad_sync()
-        segs = target.norm_segments()
-        replicated = ("cp",) if target.group_name == "dp" else ()  # the dp slices are disjoint
-        device = target.buckets[0].grad.device
-    else:
-        params = target.parameters() if isinstance(target, nn.Module) else target
-        segs = []
-        for p in params:
-            g = getattr(p, "main_grad", None)
-            g = g if g is not None else p.grad
-            if g is not None:
-                segs.append((g, tp_sharded(p)))
-        replicated = ("dp", "cp")
-        device = segs[0][0].device if segs else torch.device(mesh.ctx.device)
-    keep = {True: _owner(mesh, replicated), False: _owner(mesh, replicated + ("tp",))}
-    inf = math.isinf(norm_type)
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for g, tp in segs:
-        if not g.numel() or not (inf or keep[tp]):
-            continue
-        # float64: a float32 norm over a whole flat bucket is only good to ~2e-5 relative, enough
-        # for layouts (whose buckets differ) to report visibly different grad norms.
-        n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
-        local = torch.maximum(local, n) if inf else local + n**norm_type
-    total = comm.all_reduce(local.reshape(1), mesh["world"], "max" if inf else "sum")[0]
-    return (total if inf else total ** (1.0 / norm_type)).float()
-
-
-def clip_grad_norm_(target, max_norm: float, mesh, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale all gradients so that their global norm is at most max_norm (torch's rule:
-    coef = max_norm / (norm + 1e-6), clamped to 1). Returns the norm before clipping."""
-    if not isinstance(target, (DataParallel, ZeroAdamW, nn.Module)):
-        target = list(target)  # read twice: once for the norm, once to scale
-    total = grad_norm(target, mesh, norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if coef.item() < 1.0:
-        if isinstance(target, ZeroAdamW):
-            target = target.dp
-        if isinstance(target, DataParallel):
-            target.scale_grads_(coef)
-        else:
-            params = target.parameters() if isinstance(target, nn.Module) else target
-            with torch.no_grad():
-                for p in params:
-                    g = getattr(p, "main_grad", None)
-                    g = g if g is not None else p.grad
-                    if g is not None:
-                        g.mul_(coef.to(g.device))
-    return total
-
-
 def build_data_parallel(
     model: nn.Module,
     mesh,
@@ -337,6 +324,7 @@ def build_data_parallel(
     no_decay=None,
     group: str = "dp",
     units: str | None = None,
+    impl: str = "auto",
 ):
     """Make `model` data parallel over mesh[group] and build its (ZeRO) AdamW.
 
@@ -345,7 +333,7 @@ def build_data_parallel(
 
     dtype: parameter storage and compute (bf16 default; fp32 for exactness checks). Master
     weights and AdamW moments are fp32 whatever it is; gradients are accumulated and reduced in
-    grad_dtype (fp32 default). Returns (DataParallel, ZeroAdamW).
+    grad_dtype (fp32 default). impl: ZeroAdamW's update kernel. Returns (DataParallel, ZeroAdamW).
     """
     dp = DataParallel(
         model,
@@ -357,5 +345,5 @@ def build_data_parallel(
         group=group,
         units=units,
     )
-    opt = ZeroAdamW(dp, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
+    opt = ZeroAdamW(dp, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay, impl=impl)
     return dp, opt

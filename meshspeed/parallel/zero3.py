@@ -272,10 +272,11 @@ class Zero3:
             self._free(u)
 
     # -- what the optimizer and checkpoints use ------------------------------------------------
-    def publish(self, i: int, master: torch.Tensor) -> None:
-        """The optimizer's updated slice of bucket i becomes this rank's shard: no communication."""
+    def publish(self, i: int, master: torch.Tensor | None = None) -> None:
+        """The optimizer's updated slice of bucket i becomes this rank's shard (the optimizer
+        writes it there itself unless `master` is given): no communication."""
         shard = self.shards[i]
-        if master.data_ptr() != shard.data_ptr():
+        if master is not None and master.data_ptr() != shard.data_ptr():
             shard.copy_(master)
         u = self.of_bucket.get(i)
         if u is not None and self.sharded[i]:

@@ -54,10 +54,15 @@ class ZeroPrefetch:
             h.wait()
         return h is not None
 
-    def publish(self, i: int, src: torch.Tensor) -> None:
-        """Called by DataParallel.publish for bucket i (0, 1, ... in step order)."""
-        if self._wait(i):  # the previous gather into this buffer must land first
+    def wait_bucket(self, i: int) -> None:
+        """Before the optimizer rewrites bucket i's slice (the source of its gather, in place)."""
+        if self._wait(i):
             self.stats["waited_outside"] += 1
+
+    def publish(self, i: int, src: torch.Tensor) -> None:
+        """Called by DataParallel.publish for bucket i (0, 1, ... in step order); `src`, this
+        rank's slice of the bucket, is gathered in place into the bucket."""
+        self.wait_bucket(i)  # the previous gather into this buffer must land first
         self._queued[i] = src
         # buckets whose group is one rank (experts with edp 1) are never published
         if len(self._queued) == sum(self.dp.group_of(j).size > 1 for j in range(len(self.dp.buckets))):
