@@ -34,7 +34,7 @@ from meshspeed.models.flops import flops_per_token
 from meshspeed.models.llama import document_positions
 from meshspeed.parallel.context import context_parallel, shard_sequence
 from meshspeed.parallel.materialize import build_parallel_model
-from meshspeed.parallel.optim import build_data_parallel, clip_grad_norm_, grad_norm
+from meshspeed.parallel.optim import build_data_parallel, clip_coefficient, grad_norm
 from meshspeed.parallel.pipeline.layout import StageLayout
 from meshspeed.parallel.tensor import loss_fn
 from meshspeed.parallel.zero_prefetch import enable_zero_prefetch
@@ -294,16 +294,14 @@ class Trainer:
                 total += loss.detach().to(self.loss_dtype)
         self.dp.finish_grad_sync()
         mean_loss = self._mean_over_dp(total, len(micro))
-        norm = (
-            clip_grad_norm_(self.dp, t.grad_clip, self.mesh)
-            if t.grad_clip > 0
-            else grad_norm(self.dp, self.mesh)
-        )
+        norm = grad_norm(self.dp, self.mesh)
+        # clipping's factor is applied inside the optimizer's kernel, not by a pass of its own
+        coef = clip_coefficient(norm, t.grad_clip) if t.grad_clip > 0 else None
         norm = float(norm)
         finite = math.isfinite(mean_loss) and math.isfinite(norm)
         sparse = {}
         if finite:
-            self.opt.step()
+            self.opt.step(clip_coef=coef)
             # DP writes weights through bucket views, which leave weight._version alone: the 2:4
             # compressed weights would go stale without this.
             invalidate_compressed(self.model)
