@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from .fused import _check, rms_norm_ref
+from .fused import check_inputs, rms_norm_ref
 
 
 def add_rms_norm_ref(
@@ -99,7 +99,7 @@ def add_rms_norm_fused(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_ref in one Triton kernel per direction (one program per row)."""
-    _check(x)
+    check_inputs(x)
     if x.shape != residual.shape:
         raise ValueError(f"add_rms_norm: x {list(x.shape)} and residual {list(residual.shape)} must match")
     return _AddRMSNorm.apply(x, residual, weight, eps)

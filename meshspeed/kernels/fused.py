@@ -98,7 +98,7 @@ def _kernels():
     return triton, rms_fwd, rms_bwd, swiglu_fwd, swiglu_bwd
 
 
-def _check(*ts: torch.Tensor) -> None:
+def check_inputs(*ts: torch.Tensor) -> None:
     ok, why = triton_usable(ts[0].device)
     if not ok:
         raise RuntimeError(
@@ -156,13 +156,13 @@ class _SwiGLU(torch.autograd.Function):
 
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """rms_norm_ref in one Triton kernel per direction (one program per row)."""
-    _check(x)
+    check_inputs(x)
     return _RMSNorm.apply(x, weight, eps)
 
 
 def swiglu_fused(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """swiglu_ref in one Triton kernel per direction."""
-    _check(gate)
+    check_inputs(gate)
     if gate.shape != up.shape:
         raise ValueError(f"swiglu_fused: gate {list(gate.shape)} and up {list(up.shape)} must match")
     return _SwiGLU.apply(gate, up)

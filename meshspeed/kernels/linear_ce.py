@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from meshspeed import comm
 
-from .fused import _check
+from .fused import check_inputs
 from .loss import cross_entropy_loss
 
 
@@ -173,7 +173,7 @@ def linear_cross_entropy(
     if chunk < 0:
         raise ValueError(f"linear_cross_entropy chunk={chunk}; use a positive number of rows, or 0")
     if impl == "triton":
-        _check(hidden)
+        check_inputs(hidden)
     elif impl != "torch":
         raise ValueError(f"linear_cross_entropy impl={impl!r}; use 'torch' or 'triton'")
     if group is not None and group.size == 1:

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .fused import _check
+from .fused import check_inputs
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ class _RopeQK(torch.autograd.Function):
 
 def rope_qk_fused(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_qk_ref in one Triton kernel per tensor and direction (one program per position)."""
-    _check(q)
+    check_inputs(q)
     if q.shape[-1] % 2 or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"rope_qk_fused: head_dim {q.shape[-1]} / {k.shape[-1]} must be equal and even")
     return _RopeQK.apply(q, k, cos, sin)
