@@ -130,7 +130,7 @@ def adamw_reference(master, grad, exp_avg, exp_avg_sq, hp: AdamWHyper, layout: D
 
 
 # ------------------------------------------------------------------ torch's fused kernel
-class _ViewCache:
+class ViewCache:
     """Views of the decayed / undecayed ranges, rebuilt only when a buffer moves (offloaded and
     shared masters are new tensors each step): slicing is an operator call of its own."""
 
@@ -149,7 +149,7 @@ def adamw_torch(master, grad, exp_avg, exp_avg_sq, hp: AdamWHyper, layout: Decay
                 clip_coef=None, found_inf=None, out=None, step_t=None, cache=None,
                 grad_scale=None) -> None:  # fmt: skip
     """step_t: a float32 0-d tensor holding hp.step on master's device (set once per step by
-    the caller, else made here); cache: a _ViewCache kept per shard by the caller; grad_scale:
+    the caller, else made here); cache: a ViewCache kept per shard by the caller; grad_scale:
     1 / clip_coef, made once per step by the caller (else here)."""
     if found_inf is not None and bool(found_inf):
         return
@@ -172,7 +172,7 @@ def adamw_torch(master, grad, exp_avg, exp_avg_sq, hp: AdamWHyper, layout: Decay
         wd = hp.weight_decay if layout.all_decayed else 0.0
         torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step_t], weight_decay=wd, **kw)
     else:
-        (pd, pr), (gd, gr), (md, mr), (vd, vr) = (cache or _ViewCache()).get(
+        (pd, pr), (gd, gr), (md, mr), (vd, vr) = (cache or ViewCache()).get(
             layout, (master, g, exp_avg, exp_avg_sq)
         )
         torch._fused_adamw_(pd, gd, md, vd, [], [step_t] * len(pd), weight_decay=hp.weight_decay, **kw)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.kernels.adamw import AdamWHyper, DecayLayout, _ViewCache, adamw_, resolve_impl
+from meshspeed.kernels.adamw import AdamWHyper, DecayLayout, ViewCache, adamw_, resolve_impl
 from meshspeed.parallel.buckets import segments
 from meshspeed.parallel.data import DataParallel
 from meshspeed.parallel.grad_norm import clip_coefficient, clip_grad_norm_, grad_norm
@@ -51,7 +51,7 @@ class _Shard:
         self.exp_avg_sq = torch.zeros_like(master)
         self.decay = decay
         self.owns_master = owns_master
-        self.views = _ViewCache()
+        self.views = ViewCache()
 
     def open(self) -> None:
         """Before the state is read or changed (here it always is where it lives)."""
