@@ -44,9 +44,14 @@ def _rows(run_dir) -> dict[int, dict]:
 
 
 def _trained(run_dir, device: str) -> dict[int, dict]:
-    """3 steps through the job's worker (comm.init(device=plan.device)), checkpoints at 2 and 3."""
+    """3 steps through the job's worker, checkpoints at 2 and 3; the worker joins the job on the
+    plan's device (comm.init(device=plan.device), seen through a wrapper of meshspeed's init)."""
     cfg = _cfg(run_dir, device, ("train.steps", "3"), ("checkpoint.interval", "2"))
-    job.worker(make_plan(cfg, 1, ranks=False).to_dict(), True)
+    asked = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(job.comm, "init", lambda **kw: asked.append(kw.get("device")) or init(**kw))
+        job.worker(make_plan(cfg, 1, ranks=False).to_dict(), True)
+    assert asked == [device]
     return _rows(run_dir)
 
 
