@@ -260,6 +260,12 @@ class SparsitySection:
         "data-parallel gradient reduction sends only the kept values of masked weights between mask "
         "updates (masked positions then get no gradient); dense at update steps",
     )
+    kernels: str = opt(
+        "auto",
+        "2:4 on CUDA (cuSPARSELt): which of y = x W^T and dX = dY W run on sparse tensor cores: auto "
+        "(each timed once per shape at start-up against dense-masked, the faster kept), sparse, dense",
+        ("auto", "sparse", "dense"),
+    )
 
 
 @dataclass

@@ -56,6 +56,7 @@ from meshspeed.sparse import (
 )
 from meshspeed.sparse import report as sparse_report
 from meshspeed.sparse.background import MaskJob, Snapshot
+from meshspeed.sparse.choice import kernel_choices, kernel_report
 from meshspeed.sparse.rigl import reset_regrown
 from meshspeed.sparse.view import FullView, gather_mask
 
@@ -101,6 +102,7 @@ class SparsityHook:
             raise ConfigError(str(err)) from None
         self.regrown = 0  # weights reset by RigL/SET regrowth so far (this process)
         self.async_masks, self.threaded = False, True
+        self.print_kernels = False  # build_sparsity sets it on one rank per pipeline stage
         self.need_grad = bool(views) and views[0].need_grad
         self._pending: MaskJob | dict | None = None  # an update computed (or computing) off the step
         self.grad_comm = None  # a SparseGradComm when sparsity.sparse_grad_comm is on
@@ -121,6 +123,11 @@ class SparsityHook:
         {"grad_comm_bytes"} with a data-parallel model)."""
         done = self._done = step + 1
         ctl, out = self.controller, {}
+        if self.print_kernels:  # the layers chose at their first forward: print once, after it
+            self.print_kernels = False
+            table = kernel_report(self.model)
+            if table:
+                print(table, flush=True)
         if self._pending is not None:  # launched at the previous step: installed now, whatever the timing
             out["flip_rate"] = self._install(self._resolve())
             self._pending = None
@@ -226,6 +233,10 @@ class SparsityHook:
         """Per-layer sparsity and matmul path (local shards)."""
         return sparse_report(self.model)
 
+    def kernel_choices(self) -> dict[str, dict]:
+        """{layer: where y, dX and dW run on 2:4 kernels, and why} for meta.json (this rank's layers)."""
+        return kernel_choices(self.model)
+
 
 def build_sparsity(
     section, model: nn.Module, optimizer, mesh, *, total_steps: int | None = None, seed: int = 0
@@ -281,9 +292,13 @@ def build_sparsity(
             setattr(model.get_submodule(parent) if parent else model, child, local)
         else:  # a tp linear keeps its mask under the name a SparseLinear's has: checkpoints reshard
             local = SparseParam(mod, pname, name=name, mask_name="mask" if pname == "weight" else None, **kw)
+        if isinstance(local, SparseLinear):
+            local.kernel_mode = section.kernels  # where y and dX run on cuSPARSELt (sparse/choice.py)
         views.append(FullView(name, local, {"tp": group, "ep": mesh["ep"]}, need_grad))
     hook = SparsityHook(model, config, views, optimizer)
     hook.async_masks = section.async_masks
+    # one rank per pipeline stage prints the 2:4 kernel choices (its own layers) once
+    hook.print_kernels = all(c == 0 for d, c in getattr(mesh, "coords", {}).items() if d != "pp")
     if section.sparse_grad_comm:
         hook.grad_comm = _grad_comm(hook, dp)
     return hook

@@ -126,3 +126,32 @@ def test_each_shape_is_measured_once_and_layers_report_it(monkeypatch):
     table = kc.kernel_report(model)
     assert table.splitlines()[1].split()[:4] == ["a", "sparse", "dense", "dense"]
     assert set(kc.kernel_choices(model)) == {"a", "b"}
+
+
+def test_the_trainer_setting_reaches_the_layers_prints_once_and_records(monkeypatch, capsys):
+    """--sparsity.kernels: validated like every choice, given to each SparseLinear by the
+    trainer's hook, whose first after_step prints the choices once; kernel_choices() is what
+    meta.json records. (The stand-in ops let the CPU take the CUDA path.)"""
+    from meshspeed import comm
+    from meshspeed.plan.config import load
+    from meshspeed.train.sparsity import build_sparsity
+
+    with pytest.raises(comm.ConfigError, match="sparsity.kernels='fast' is not valid; choose one of auto"):
+        load(None, [("sparsity.kernels", "fast")])
+    section = load(None, [("sparsity.pattern", "2:4"), ("sparsity.kernels", "dense")]).sparsity
+    monkeypatch.setattr(kc, "CHOOSER", kc.Chooser(_Timer()))
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].w1 = torch.nn.Linear(128, 64, dtype=torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    hook = build_sparsity(section, model, opt, comm.ParallelDims().build(comm.init()), total_steps=4)
+    layer = model.layers[0].w1
+    assert isinstance(layer, SparseLinear) and layer.kernel_mode == "dense"
+    layer.cslt_ops = OPS
+    layer(torch.randn(16, 128, dtype=torch.bfloat16)).sum().backward()
+    hook.after_step(0)
+    hook.after_step(1)
+    printed = capsys.readouterr().out
+    assert printed.count("2:4 kernels") == 1 and "layers.0.w1" in printed
+    record = hook.kernel_choices()["layers.0.w1"]
+    assert (record["y"], record["dX"], record["reason"]) == ("dense", "dense", "sparsity.kernels=dense")

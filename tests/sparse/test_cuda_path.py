@@ -153,3 +153,38 @@ def test_cuda_compressed_weight_follows_writes_through_a_bucket_view():
     wm = (layer.weight.detach() * layer.mask).float()
     y_ref = x.float() @ wm.t() + layer.bias.detach().float()
     _assert_within(y, y_ref, _bf16_bound(x, wm.t(), y_ref, layer.bias.detach()), "forward after the step")
+
+
+@needs_sm80
+@pytest.mark.parametrize("mode", ["auto", "sparse", "dense"])
+def test_cuda_measured_choice_keeps_the_numbers(mode):
+    """Whatever the measurement places where (cuSPARSELt where torch has it), y, dX and dW match
+    the dense computation on the masked weight, and the choice is recorded with its timings."""
+    from meshspeed.sparse import transposable_2to4_mask
+    from meshspeed.sparse.choice import kernel_choices
+
+    torch.manual_seed(1)
+    layer = SparseLinear(1024, 512, nm=(2, 4), transposable=True, device="cuda", dtype=torch.bfloat16)
+    layer.set_mask(transposable_2to4_mask(layer.weight))
+    layer.kernel_mode, layer.name = mode, "probe"
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    layer(x).backward(g)
+    y = layer(x.detach())
+    wm = (layer.weight.detach() * layer.mask).float()
+    xf, gf, b = x.detach().float(), g.float(), layer.bias.detach()
+    y_ref = xf @ wm.t() + b.float()
+    _assert_within(y, y_ref, _bf16_bound(x.detach(), wm.t(), y_ref, b), "forward")
+    gx_ref = gf @ wm
+    _assert_within(x.grad, gx_ref, _bf16_bound(g, wm, gx_ref), "input gradient")
+    gw_ref = gf.t() @ xf
+    _assert_within(layer.weight.grad, gw_ref, _bf16_bound(g.t(), x.detach(), gw_ref), "weight gradient")
+    if torch.backends.cusparselt.is_available():
+        record = kernel_choices(torch.nn.ModuleDict({"probe": layer}))["probe"]
+        assert record["mode"] == mode and record["dW"] == "dense"
+        if mode == "dense":
+            assert (record["y"], record["dX"]) == ("dense", "dense")
+        elif mode == "sparse":
+            assert (record["y"], record["dX"]) == ("sparse", "sparse")
+        else:
+            assert set(record["ms"]) >= {"dense_fwd", "sparse_fwd", "compress_both"}
