@@ -196,6 +196,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.tp_overlap_chunks={p.tp_overlap_chunks} must be ≥ 1, or 0 for the cost model's choice"
         )
+    if t.compile and cfg.sparsity.pattern != "none":
+        raise ConfigError(
+            f"train.compile=true with sparsity.pattern={cfg.sparsity.pattern!r} is not supported: the "
+            "masks and sparse kernels change between steps under the compiled blocks; turn one off"
+        )
     if t.peak_tflops < 0:
         raise ConfigError(
             f"train.peak_tflops={t.peak_tflops} must be > 0 (TFLOP/s of one device), "

@@ -128,8 +128,15 @@ class TrainSection:
     )
     fused_kernels: bool = opt(
         False,
-        "RMSNorm and SwiGLU through meshspeed's Triton kernels (CUDA; on CPU only under "
-        "TRITON_INTERPRET=1, which is for tests)",
+        "time each kernel site once at start-up (RMSNorm, the residual add + RMSNorm, SwiGLU, RoPE on "
+        "q and k, the output projection + cross-entropy) and keep, per shape, the fastest of the "
+        "reference and its fused versions (Triton on CUDA, torch paths anywhere): never slower "
+        "than off; the choices are printed",
+    )
+    compile: bool = opt(
+        False,
+        "each transformer block and the loss through torch.compile (inductor); collectives, "
+        "context-parallel and swapped attention cores run eagerly between compiled pieces",
     )
     peak_tflops: float = opt(
         0.0,

@@ -120,7 +120,9 @@ class Trainer:
                 transform=experts,
             )
         # tp overlap, fused kernels, cp cores, recompute, swap: in the order they compose
-        apply_model_features(self.model, cfg, self.mesh, self.recipe, ctx.device, self.cp)
+        self.features = apply_model_features(self.model, cfg, self.mesh, self.recipe, ctx.device, self.cp)
+        for line in self.features.lines if self.lead else ():  # kernel choices: once, rank 0
+            print(f"meshspeed: {line}", flush=True)
         m = cfg.memory
         if init_weights:  # before the optimizer copies the weights into its masters
             ckpt.load_checkpoint(init_weights, self.model, None, self.mesh, strict=False, restore_rng=False)
@@ -251,14 +253,14 @@ class Trainer:
     def _ce(self, forward, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of forward()'s logits, or, with memory.chunked_loss, of the hidden
         states projected and scored chunk by chunk (the full logits never exist)."""
-        m = self.cfg.memory
-        if not m.chunked_loss:
-            return loss_fn(self.model, self.recipe.loss)(forward(), y, -100)
+        m, head = self.cfg.memory, self.features.head  # head: train.fused_kernels' choice
+        if not m.chunked_loss and head == "ref":  # the plain loss is compiled with train.compile
+            return loss_fn(self.model, self.features.loss or self.recipe.loss)(forward(), y, -100)
         p = self.cfg.parallel
         sp = p.tp if p.sequence_parallel and p.tp > 1 else 1  # the head gathers each chunk's rows
-        return chunked_model_loss(
-            self.model, forward, y, loss_fn(self.model, self.recipe.loss), m.loss_chunk, sp
-        )
+        chunk = m.loss_chunk if m.chunked_loss else 0  # 0: kernels.linear_ce's chunk
+        lf, impl = loss_fn(self.model, self.recipe.loss), "torch" if head == "ref" else head
+        return chunked_model_loss(self.model, forward, y, lf, chunk, sp, impl=impl)
 
     @property
     def loss_dtype(self) -> torch.dtype:
