@@ -17,6 +17,9 @@ MOE_IMPL_CHOICES = ("auto", "grouped_mm", "loop")
 ROPE_SCALING_CHOICES = ("none", "llama3")
 
 
+MAX_PARAMS = 10**13  # ten trillion: a larger model is a typo, not a plan
+
+
 def _divisors(n: int, limit: int = 10) -> str:
     """The first divisors of n as '1, 2, 4, ...' for error hints."""
     divs = [d for d in range(1, n + 1) if n % d == 0]
@@ -222,6 +225,17 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.n_shared_experts={self.n_shared_experts} needs routed "
                 "experts; set n_experts >= 1 or n_shared_experts=0"
+            )
+        # Plausibility before anything is built or planned (a --dry-run too): past this the
+        # sizes are a typo, and the estimate of one would print a plan for 10^18 parameters.
+        ffn = self.ffn_dim * max(1, self.n_experts + self.n_shared_experts)
+        params = self.vocab_size * self.dim * 2 + self.n_layers * (4 * self.dim**2 + 3 * self.dim * ffn)
+        if params > MAX_PARAMS or self.max_seq_len > 1 << 24:
+            raise ValueError(
+                f"ModelConfig: dim={self.dim}, n_layers={self.n_layers}, vocab_size={self.vocab_size}, "
+                f"max_seq_len={self.max_seq_len} describe about {params:.1e} parameters and "
+                f"{self.max_seq_len:,}-token sequences, past the {MAX_PARAMS:.0e} and 2^24 meshspeed "
+                f"treats as plausible; check the sizes"
             )
 
     # --- derived sizes ----------------------------------------------------------------

@@ -250,3 +250,13 @@ def test_a_checkpoint_caught_between_two_renames_is_put_back(tmp_path, solo, cap
     assert sorted(os.listdir(tmp_path)) == ["step-000001"]
     assert manifest.verify(path) is None
     assert "put back checkpoint" in capsys.readouterr().err
+
+
+def test_absurd_model_sizes_are_refused_before_anything_is_planned():
+    """`meshspeed train --dry-run --model.dim 1000000000` printed a plan for 3e18 parameters per
+    rank and exited 0; the sizes are now refused where the model config is made."""
+    from meshspeed.interop.model_source import preset_config
+
+    with pytest.raises(comm.ConfigError) as e:
+        preset_config("tiny", {"dim": 1_000_000_000}, 32)
+    assert "past the 1e+13" in _one_line(e) and "model.dim=1000000000" in str(e.value)

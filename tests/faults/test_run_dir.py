@@ -45,7 +45,8 @@ def test_second_run_on_a_busy_run_dir_is_one_line_naming_the_first(start, tmp_pa
     first = start(LONG + ["--run.dir", str(run)])
     workers = first.workers(2, timeout=BOUND)
     first.wait_rows(run, 2, timeout=BOUND)
-    (second,) = run_many([["train", *LONG, "--run.dir", str(run), "--checkpoint.resume", "auto"]], tmp_path)
+    again = ["train", *LONG, "--run.dir", str(run), "--checkpoint.resume", "auto"]
+    (second,) = run_many([again], tmp_path, BOUND)
     assert second.returncode == 2, second.stderr[-2000:]
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1, second.stderr
