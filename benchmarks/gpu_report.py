@@ -60,7 +60,10 @@ def sh(args: list[str], timeout: float, env: dict | None = None) -> dict:
         )
         rc, out, err = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
         rc, out, err = "timeout", text(e.stdout), text(e.stderr)
     return {"rc": rc, "s": round(time.perf_counter() - t0, 1), "out": out, "err": err}
 
@@ -140,16 +143,28 @@ def commands(rep: Report, work: str) -> None:
         return r
 
     ms = ["-m", "meshspeed"]
-    dev_line = lambda r: grep(r["out"], r"^\s+device ")  # noqa: E731
+
+    def dev_line(r):
+        return grep(r["out"], r"^\s+device ")
+
     cmd("train --dry-run (README default)", ms + ["train", "--dry-run", "--run.dir", first], 60, dev_line)
     cmd("train --dry-run --nproc 1", ms + ["train", "--dry-run"] + one, 60, dev_line)
     readme = ["train", "--train.steps", str(steps), "--run.dir", first]
-    notice = lambda r: grep(r["err"], "run.device") or tail(r["out"], 1)  # noqa: E731
+
+    def notice(r):
+        return grep(r["err"], "run.device") or tail(r["out"], 1)
+
     cmd("train (README default)", ms + readme, 90, notice)
-    tps = lambda r: grep(r["out"] + r["err"], "tokens/s|resumed") or grep(r["out"], "final train loss")  # noqa: E731
+
+    def tps(r):
+        return grep(r["out"] + r["err"], "tokens/s|resumed") or grep(r["out"], "final train loss")
+
     train = ms + ["train", "--checkpoint.interval", str(steps)] + one
     cmd(f"train --nproc 1 bf16 on {dev}", train + ["--train.steps", str(steps), "--run.device", dev], 60, tps)
-    resumed = lambda r: "resumed from step" in r["out"] + r["err"]  # noqa: E731
+
+    def resumed(r):
+        return "resumed from step" in r["out"] + r["err"]
+
     total = steps
     # the same device; then, on a GPU, the checkpoint saved on CUDA on the CPU and the CPU's on CUDA
     for i, to in enumerate((dev,) if cpu else (dev, "cpu", "cuda")):
@@ -162,7 +177,10 @@ def commands(rep: Report, work: str) -> None:
     gj = os.path.join(work, "generate.json")
     toy = "--hidden 64 --layers 2 --batch 2 --new 4 --rounds 1 --prompt-len 8".split()
     bench = ["-m", "benchmarks.generate", "--device", dev, "--json", gj] + (toy if cpu else [])
-    rates = lambda r: "; ".join(grep(r["out"], p) for p in ("tokens equal", "^prefill ", "^decode "))  # noqa: E731
+
+    def rates(r):
+        return "; ".join(grep(r["out"], p) for p in ("tokens equal", "^prefill ", "^decode "))
+
     cmd("generate vs transformers", bench, 90, rates)
     ej = os.path.join(work, "eval.json")
     evals = [
@@ -177,7 +195,10 @@ def commands(rep: Report, work: str) -> None:
     ]
     cmd(f"eval on {dev}", ms + evals, 60, lambda r: grep(r["out"], "meshspeed eval"))
     hf1, ck2, hf2 = (os.path.join(work, n) for n in ("hf1", "ck2", "hf2"))
-    last = lambda r: tail(r["out"], 1)  # noqa: E731
+
+    def last(r):
+        return tail(r["out"], 1)
+
     chain = [
         ("convert --to-hf", ["--checkpoint", run, "--to-hf", hf1], last, lambda r: True),
         ("convert --from-hf", ["--from-hf", hf1, "--out", ck2], last, lambda r: True),
@@ -272,7 +293,9 @@ RUNNERS = {"tests": tests, "commands": commands, "trainer": trainer, "features":
 
 # ------------------------------------------------------------------------------ the report
 def markdown(d: dict) -> str:
-    gib = lambda n: f"{n / 2**30:.2f}" if n else "n/a"  # noqa: E731
+    def gib(n):
+        return f"{n / 2**30:.2f}" if n else "n/a"
+
     lines = [
         f"# meshspeed GPU report: {d['device']}",
         "",

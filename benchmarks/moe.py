@@ -38,13 +38,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import meshspeed.comm.collectives as C  # noqa: E402
-from meshspeed import comm  # noqa: E402
-from meshspeed.models.config import ModelConfig  # noqa: E402
-from meshspeed.models.moe import MoE  # noqa: E402
-from meshspeed.parallel.expert import ExpertParallelMoE, expert_params  # noqa: E402
+import meshspeed.comm.collectives as C
+from meshspeed import comm
+from meshspeed.models.config import ModelConfig
+from meshspeed.models.moe import MoE
+from meshspeed.parallel.expert import ExpertParallelMoE, expert_params
 
 
 class A2ABytes:

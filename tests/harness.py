@@ -10,6 +10,7 @@ rank with that rank's CommContext and its return values come back as a list inde
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -42,15 +43,22 @@ def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
             break
         fn, args, overrides = job
         saved = {k: getattr(ctx, k) for k in overrides}
+        keep = ctx.group_keys()
         try:
             for k, v in overrides.items():
                 setattr(ctx, k, v)
-            outq.put((rank, "ok", fn(ctx, *args)))
+            result = (rank, "ok", fn(ctx, *args))
         except BaseException:  # noqa: BLE001 - the parent turns this into the test failure
-            outq.put((rank, "err", traceback.format_exc()))
+            result = (rank, "err", traceback.format_exc())
         finally:
             for k, v in saved.items():
                 setattr(ctx, k, v)
+        if result[1] == "ok":
+            # the job's groups go with it: idle gloo groups poll their sockets and add up
+            # (a failed job's pool is replaced anyway)
+            ctx.release_groups(keep)
+            gc.collect()  # a group held in a reference cycle keeps its threads until collected
+        outq.put(result)
     ctx.close()
 
 

@@ -3,7 +3,8 @@ running the ring exchange, the all-to-all and an asynchronous ring all-reduce an
 without closing its context (tests/faults/exit_stress.py). `python benchmarks/context_parallel.py`
 aborted in 2 of 10 runs with "terminate called without an active exception": a process group or
 a thread torn down by the interpreter's own shutdown, in any order. Every job must exit 0 with no
-such line. The CI case is small (20 jobs of world 2); a larger one is marked slow."""
+such line. The CI case is small (3 jobs of world 2: each job costs ~18 s of two cores, most of it
+importing torch in each rank); 100 jobs of world 3 are marked slow."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _stress(jobs: int, world: int, timeout: float) -> None:
 
 
 def test_short_jobs_start_and_exit_without_native_aborts():
-    _stress(20, 2, timeout=1800)
+    _stress(3, 2, timeout=300)
 
 
 @pytest.mark.slow

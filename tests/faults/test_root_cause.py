@@ -8,6 +8,7 @@ signal, a bounded wait (the timeout plus 60 s: a bound on a hang, not a speed cl
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 from tests.faults.procs import FAST
@@ -35,4 +36,7 @@ def test_stopped_rank_is_named_as_the_root_cause(start, tmp_path):
     # arrive (rank 0 is waiting in it) (reported by rank 0) (the other 3 workers were stopped)"
     assert line.startswith("meshspeed: rank 3 stopped making progress ("), line
     assert f"timed out after {STOP_TIMEOUT}s" in line, line
+    # ... and the collective that timed out, with its group and the rank it waited for
+    assert re.search(r"on group (tp|dp|world|dp_cp)\S* at seq \d+ timed out", line), line
+    assert re.search(r"ranks? [\d,]+ did not arrive", line), line
     assert not job.gone(workers), "a worker outlived the job"
