@@ -25,6 +25,23 @@ TEST_COMM_TIMEOUT_S = 20.0
 DEFAULT_JOB_TIMEOUT_S = 90.0
 
 
+def _torch_groups() -> set:
+    """Every process group torch holds in this process. torch lists them only in a private
+    registry; without it (another torch) the job's groups that meshspeed made are still freed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(getattr(getattr(c10d, "_world", None), "pg_map", None) or ())
+
+
+def _destroy(pg) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(pg)
+    except (ValueError, RuntimeError):  # gone already
+        pass
+
+
 def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
     os.environ.update(worker_env(rank, ws, port))
     os.environ["MESHSPEED_LINK_PARAMS"] = "none"  # built-in defaults: the same choices everywhere
@@ -43,7 +60,7 @@ def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
             break
         fn, args, overrides = job
         saved = {k: getattr(ctx, k) for k in overrides}
-        keep = ctx.group_keys()
+        keep, torch_groups = ctx.group_keys(), _torch_groups()
         try:
             for k, v in overrides.items():
                 setattr(ctx, k, v)
@@ -57,6 +74,8 @@ def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
             # the job's groups go with it: idle gloo groups poll their sockets and add up
             # (a failed job's pool is replaced anyway)
             ctx.release_groups(keep)
+            for pg in _torch_groups() - torch_groups:  # made past meshspeed (DeviceMesh slices)
+                _destroy(pg)
             gc.collect()  # a group held in a reference cycle keeps its threads until collected
         outq.put(result)
     ctx.close()

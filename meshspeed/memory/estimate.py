@@ -126,8 +126,12 @@ def head_activation_bytes(
         norm = rows * dim * (4 + elem) + 4 * rows + t * dim * elem
     else:
         norm = t * dim * (4 + 2 * elem) + 4 * t
-    # memory.chunked_loss keeps no logits: one chunk's exist at a time, inside its backward
-    logits = 0 if chunked else t * (-(-vocab // tp)) * 4
+    # memory.chunked_loss keeps no logits: the fused head (kernels/linear_ce.py) scores them a
+    # chunk at a time in the forward pass and keeps the gradients instead: d hidden, the size of
+    # the projection's input it no longer saves (already in `norm`), and d weight, float32 like
+    # the parameters it is added to
+    vocab_rank = -(-vocab // tp)
+    logits = vocab_rank * dim * 4 if chunked else t * vocab_rank * 4
     return norm + logits + 8 * t
 
 

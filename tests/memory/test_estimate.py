@@ -100,7 +100,9 @@ def test_estimate_matches_count_expert_parallel(ep):
 
 
 def job_chunked(ctx, sp: bool) -> list[str]:
-    """memory.chunked_loss keeps no logits: the estimate drops them, counted within 10%."""
+    """memory.chunked_loss keeps no logits but the fused head's d weight [vocab/tp, dim]: the
+    estimate, counted within 10%. (Fewer bytes than the logits only when tokens > dim: not at
+    these sizes, so that is not asserted.)"""
     mesh = comm.ParallelDims(tp=ctx.world.size).build(ctx) if ctx.world.size > 1 else None
     tp = ctx.world.size
     config = get_preset("tiny", vocab_size=512, n_heads=4, n_kv_heads=4, max_seq_len=32)
@@ -112,7 +114,7 @@ def job_chunked(ctx, sp: bool) -> list[str]:
         chunked_model_loss(model, lambda: model(tokens), tokens, loss_fn(model), 7, tp if sp else 1)
     est = model_activation_bytes(config, tokens=BATCH * SEQ, tp=tp, sequence_parallel=sp, chunked=True)
     full = model_activation_bytes(config, tokens=BATCH * SEQ, tp=tp, sequence_parallel=sp)
-    if abs(est - c.bytes) > 0.1 * c.bytes or not est < full:
+    if abs(est - c.bytes) > 0.1 * c.bytes:
         return [f"tp {tp} sp {sp}: chunked estimate {est} (full logits {full}), counted {c.bytes}"]
     return []
 
