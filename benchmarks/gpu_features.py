@@ -102,7 +102,9 @@ def run(spec: dict) -> None:
                     peak=torch.cuda.max_memory_allocated() if cuda else None,
                 )
                 trainer.metrics.close()
-            except Exception as err:  # noqa: BLE001 - a failed setting is a row saying why
+            # a failed setting (a refused combination, out of memory, a kernel error) is a row
+            # saying why, and the next setting still runs
+            except (RuntimeError, ValueError, TypeError, AssertionError, OSError) as err:
                 res["error"] = headline(err)
             trainer = None
             gc.collect()
