@@ -23,6 +23,7 @@ from meshspeed.comm.launch import free_port, worker_env
 # meshspeed's own diagnosis; the job timeout is the backstop for everything else.
 TEST_COMM_TIMEOUT_S = 20.0
 DEFAULT_JOB_TIMEOUT_S = 90.0
+POOL_START_S = 240.0
 
 
 def _torch_groups() -> set:
@@ -94,7 +95,9 @@ class Pool:
         ]
         for p in self.procs:
             p.start()
-        self._collect(60.0, "start")
+        # a bound on a hang, not a speed claim: each rank imports torch and meshspeed (~10 s of
+        # CPU each on the 2-core CI machine), four at once, beside whatever else is running
+        self._collect(POOL_START_S, "start")
 
     def _collect(self, timeout: float, what: str) -> list:
         results: dict[int, tuple] = {}

@@ -233,8 +233,9 @@ def test_plan_counts_one_dp_share_of_the_parameters(tmp_path):
 
     two, three = mem(2), mem(3)
     assert three["params"] == -(-two["params"] // 4)
-    # float32: ZeRO-2 clones its slice as the master (12 B of state per element), ZeRO-3's shard is it (8 B)
-    assert three["grads"] == two["grads"] and three["optimizer"] * 3 == two["optimizer"] * 2
+    # float32: the parameters are the masters at every stage (parallel/optim.py), so ZeRO-2 and
+    # ZeRO-3 both keep AdamW's two moments of a 1/dp slice (8 B per element), no master clone
+    assert three["grads"] == two["grads"] and three["optimizer"] == two["optimizer"]
     assert two["params"] > three["buffers"] - two["buffers"] > 0  # the gathered blocks, less than all
 
 
