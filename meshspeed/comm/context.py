@@ -232,7 +232,9 @@ class CommContext:
         how many process groups went. For a process that runs many jobs on one context (the
         test suite's workers): each gloo process group keeps threads polling its sockets, and a
         few dozen idle groups in each of nine workers burned a core of a 2-core machine. Every
-        rank must release the same groups (the next job makes them again, in the same order)."""
+        rank must release the same groups (the next job makes them again, in the same order). torch
+        caches a DeviceMesh's slices by the mesh's value: a DTensor user who slices an equal mesh
+        after a release gets the destroyed groups, so such a job runs in a fresh process."""
         groups, meshes = keep
         pgs = []
         for dims in [d for d in self._meshes if d not in meshes]:
