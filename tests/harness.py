@@ -34,15 +34,6 @@ def _torch_groups() -> set:
     return set(getattr(getattr(c10d, "_world", None), "pg_map", None) or ())
 
 
-def _destroy(pg) -> None:
-    import torch.distributed as dist
-
-    try:
-        dist.destroy_process_group(pg)
-    except (ValueError, RuntimeError):  # gone already
-        pass
-
-
 def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
     os.environ.update(worker_env(rank, ws, port))
     os.environ["MESHSPEED_LINK_PARAMS"] = "none"  # built-in defaults: the same choices everywhere
@@ -74,9 +65,8 @@ def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
         if result[1] == "ok":
             # the job's groups go with it: idle gloo groups poll their sockets and add up
             # (a failed job's pool is replaced anyway)
-            ctx.release_groups(keep)
-            for pg in _torch_groups() - torch_groups:  # made past meshspeed (DeviceMesh slices)
-                _destroy(pg)
+            # ... and those torch made past meshspeed (DeviceMesh slices for checkpoints)
+            ctx.release_groups(keep, also=_torch_groups() - torch_groups)
             gc.collect()  # a group held in a reference cycle keeps its threads until collected
         outq.put(result)
     ctx.close()

@@ -227,16 +227,17 @@ class CommContext:
         """The groups and meshes made so far: a snapshot for `release_groups`."""
         return frozenset(self._groups), frozenset(self._meshes)
 
-    def release_groups(self, keep: tuple[frozenset, frozenset]) -> int:
-        """Destroy every group and mesh made since the snapshot `keep` (group_keys()); returns
-        how many process groups went. For a process that runs many jobs on one context (the
-        test suite's workers): each gloo process group keeps threads polling its sockets, and a
-        few dozen idle groups in each of nine workers burned a core of a 2-core machine. Every
-        rank must release the same groups (the next job makes them again, in the same order). torch
-        caches a DeviceMesh's slices by the mesh's value: a DTensor user who slices an equal mesh
-        after a release gets the destroyed groups, so such a job runs in a fresh process."""
+    def release_groups(self, keep: tuple[frozenset, frozenset], also=()) -> int:
+        """Destroy every group and mesh made since the snapshot `keep` (group_keys()), and the
+        process groups in `also` (made past this context); returns how many process groups went.
+        For a process that runs many jobs on one context (the test suite's workers): each gloo
+        process group keeps threads polling its sockets, and a few dozen idle groups in each of
+        nine workers burned a core of a 2-core machine. Every rank must release the same groups
+        (the next job makes them again, in the same order). torch caches a DeviceMesh's slices
+        by the mesh's value: a DTensor user who slices an equal mesh after a release gets the
+        destroyed groups, so such a job runs in a fresh process."""
         groups, meshes = keep
-        pgs = []
+        pgs = list(also)
         for dims in [d for d in self._meshes if d not in meshes]:
             dm = self._meshes.pop(dims).device_mesh
             # DeviceMesh also makes a group for each size-1 dim, which meshspeed never adopts

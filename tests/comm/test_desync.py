@@ -36,7 +36,8 @@ def test_planted_desync_names_the_odd_rank_on_every_rank():
             r"all_reduce\(\[4, 8\] bf16\)",
             msg,
         ), msg
-        assert elapsed < 5, f"desync took {elapsed:.1f}s to detect"
+        # found by the signature check, not by the collective's 10 s timeout firing first
+        assert elapsed < 10, f"desync reported after {elapsed:.1f}s: the timeout fired first"
     assert len({m for m, _ in results}) == 1  # every rank reports the same thing
 
 
