@@ -10,7 +10,6 @@ rank with that rank's CommContext and its return values come back as a list inde
 from __future__ import annotations
 
 import atexit
-import gc
 import multiprocessing as mp
 import os
 import queue
@@ -24,14 +23,22 @@ from meshspeed.comm.launch import free_port, worker_env
 TEST_COMM_TIMEOUT_S = 20.0
 DEFAULT_JOB_TIMEOUT_S = 90.0
 POOL_START_S = 240.0
+# Jobs reuse the groups of the meshes they build (CommContext caches them): building a dp 2 ×
+# tp 2 mesh costs seconds on a busy 2-core machine, and destroying a job's groups to make them
+# again in the next job is not safe under torch 2.13 (seen: the rebuilt mesh's first new_group
+# failed in connectFullMesh, "Connection closed by peer"; torch names DeviceMesh's groups by the
+# count of live groups, so a new one can take a destroyed one's name in the store). But every
+# idle gloo group keeps threads polling its sockets, and dozens of them in each of nine workers
+# burn a core; so a pool whose workers hold more than this many groups is replaced after its job.
+MAX_GROUPS = 48
 
 
-def _torch_groups() -> set:
-    """Every process group torch holds in this process. torch lists them only in a private
-    registry; without it (another torch) the job's groups that meshspeed made are still freed."""
+def _process_groups() -> int:
+    """How many process groups torch holds in this process (its private registry; 0 where a
+    torch lacks it, and then pools are never recycled)."""
     from torch.distributed import distributed_c10d as c10d
 
-    return set(getattr(getattr(c10d, "_world", None), "pg_map", None) or ())
+    return len(getattr(getattr(c10d, "_world", None), "pg_map", None) or ())
 
 
 def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
@@ -52,22 +59,16 @@ def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
             break
         fn, args, overrides = job
         saved = {k: getattr(ctx, k) for k in overrides}
-        keep, torch_groups = ctx.group_keys(), _torch_groups()
         try:
             for k, v in overrides.items():
                 setattr(ctx, k, v)
-            result = (rank, "ok", fn(ctx, *args))
+            value = fn(ctx, *args)
+            result = (rank, "ok", (value, _process_groups()))  # the groups: for MAX_GROUPS
         except BaseException:  # noqa: BLE001 - the parent turns this into the test failure
             result = (rank, "err", traceback.format_exc())
         finally:
             for k, v in saved.items():
                 setattr(ctx, k, v)
-        if result[1] == "ok":
-            # the job's groups go with it: idle gloo groups poll their sockets and add up
-            # (a failed job's pool is replaced anyway)
-            # ... and those torch made past meshspeed (DeviceMesh slices for checkpoints)
-            ctx.release_groups(keep, also=_torch_groups() - torch_groups)
-            gc.collect()  # a group held in a reference cycle keeps its threads until collected
         outq.put(result)
     ctx.close()
 
@@ -125,7 +126,10 @@ class Pool:
     def run(self, fn, args: tuple, overrides: dict, timeout: float) -> list:
         for q in self.inqs:
             q.put((fn, args, overrides))
-        return self._collect(timeout, fn.__name__)
+        out, groups = zip(*self._collect(timeout, fn.__name__))
+        if max(groups) > MAX_GROUPS:
+            self.kill()  # the next job starts a fresh pool
+        return list(out)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)

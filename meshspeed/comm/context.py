@@ -223,40 +223,6 @@ class CommContext:
             self._groups[key] = Group(self, pg, list(ranks), name, backend_timeout_s)
         return self._groups[key]
 
-    def group_keys(self) -> tuple[frozenset, frozenset]:
-        """The groups and meshes made so far: a snapshot for `release_groups`."""
-        return frozenset(self._groups), frozenset(self._meshes)
-
-    def release_groups(self, keep: tuple[frozenset, frozenset], also=()) -> int:
-        """Destroy every group and mesh made since the snapshot `keep` (group_keys()), and the
-        process groups in `also` (made past this context); returns how many process groups went.
-        For a process that runs many jobs on one context (the test suite's workers): each gloo
-        process group keeps threads polling its sockets, and a few dozen idle groups in each of
-        nine workers burned a core of a 2-core machine. Every rank must release the same groups
-        (the next job makes them again, in the same order). torch caches a DeviceMesh's slices
-        by the mesh's value: a DTensor user who slices an equal mesh after a release gets the
-        destroyed groups, so such a job runs in a fresh process."""
-        groups, meshes = keep
-        pgs = list(also)
-        for dims in [d for d in self._meshes if d not in meshes]:
-            dm = self._meshes.pop(dims).device_mesh
-            # DeviceMesh also makes a group for each size-1 dim, which meshspeed never adopts
-            pgs += dm.get_all_groups() if dm is not None else []
-        for key in [k for k in self._groups if k not in groups]:
-            group = self._groups.pop(key)
-            pgs.append(group.pg)
-            group.close()
-        done = set()
-        for pg in pgs:
-            if pg is None or pg is dist.group.WORLD or id(pg) in done:
-                continue
-            done.add(id(pg))
-            try:
-                dist.destroy_process_group(pg)
-            except (ValueError, RuntimeError):  # already destroyed
-                pass
-        return len(done)
-
     def single(self, label: str = "self") -> Group:
         """A group of just this rank (degree-1 parallel dims): every collective is a no-op."""
         key = (label, (self.rank,))

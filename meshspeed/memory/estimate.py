@@ -6,8 +6,9 @@ dtype. Float32 statistics (RMSNorm's rsqrt, the attention log-sum-exp) are 4 byt
 - RMSNorm: its float32 input (the block input itself when e = 4), the normalised value before
   and after the weight, the rsqrt: T·dim·(4 + 2e) + 4T;
 - attention (local heads H, head_dim hd): q after RoPE, k and v repeated to H heads, the
-  output: 4·T·H·hd·e + 4·T·H (log-sum-exp); `selective` keeps q, k, v before repeat_kv
-  (kv heads Hk) and the output: T·hd·(2H + 2Hk)·e;
+  output: 4·T·H·hd·e + 4·T·H (log-sum-exp); one kv head on the rank (tp ≥ kv heads) is
+  repeated as a broadcast view, so k and v keep T·hd·e each: (2H + 2)·T·hd·e + 4·T·H;
+  `selective` keeps q, k, v before repeat_kv (kv heads Hk) and the output: T·hd·(2H + 2Hk)·e;
 - SwiGLU (local hidden f): w1 x, silu(w1 x), w3 x and the product: 4·T·f·e; `activation`
   keeps only w1 x and w3 x: 2·T·f·e;
 - `full`: the block input, T·dim·e.
@@ -50,7 +51,10 @@ def layer_activation_bytes(
     if mode == "selective":
         attn = t * head_dim * (2 * heads + 2 * kv) * elem
     else:
-        attn = 4 * t * heads * head_dim * elem + 4 * t * heads
+        # q, k and v repeated to every head, the output; with one kv head on the rank the
+        # repeat is a broadcast view and k, v keep only their own storage
+        kv_rep = 1 if kv == 1 else heads
+        attn = (2 * heads + 2 * kv_rep) * t * head_dim * elem + 4 * t * heads
     if moe:
         ffn = moe_ffn_bytes(tokens=t, dim=dim, mode=mode, tp=tp, elem=elem, **moe)
     else:

@@ -5,7 +5,8 @@ backward, its inputs q, k, v (k and v repeated to every head) and the softmax lo
 copied to (pinned) host memory when the core returns and only the host copy is kept; the device
 copies go with the forward's own references. Its output is saved too but stays: it is the
 output projection's saved input, alive on the device anyway. Per block that moves
-3·T·H·hd·e + 4·T·H bytes (T tokens, H local heads, element size e) off the device.
+3·T·H·hd·e + 4·T·H bytes (T tokens, H local heads, element size e) off the device; with one kv
+head on the rank, k and v are broadcast views of it and stay (T·H·hd·e + 4·T·H move).
 
 In backward, the first time a core's tensors are needed they are copied back (unless already
 there), and the copy of the core that backward reaches next (the one packed before it in the
@@ -62,7 +63,10 @@ class _Group:
         alive anyway: the attention output is the output projection's saved input)."""
         s = self.swap
         for i, t in enumerate(self.host):
-            if not _on(t, s.device) or t.untyped_storage()._cdata in outputs:
+            st = t.untyped_storage()
+            # a broadcast view (k, v repeated from one kv head) stays: its storage is one head's,
+            # and a host copy would write out every repeat and bring them all back in backward
+            if not _on(t, s.device) or st._cdata in outputs or st.nbytes() < t.numel() * t.element_size():
                 self.host[i] = ("kept", t)
                 continue
             if _dense(t):
@@ -179,8 +183,13 @@ def apply_swap_activations(
     return swap
 
 
-def attention_swap_bytes(*, tokens: int, n_heads: int, head_dim: int, tp: int = 1, elem: int = 4) -> int:
+def attention_swap_bytes(
+    *, tokens: int, n_heads: int, head_dim: int, tp: int = 1, elem: int = 4, n_kv_heads: int | None = None
+) -> int:
     """Device bytes swapping one block's attention core moves to the host, per micro-batch:
-    q and the repeated k and v ([T, H, hd] each, H = n_heads / tp) and the float32 log-sum-exp."""
+    q and the repeated k and v ([T, H, hd] each, H = n_heads / tp) and the float32 log-sum-exp.
+    With one kv head on the rank (n_kv_heads ≤ tp) k and v are broadcast views of it and stay."""
     heads = n_heads // tp
-    return 3 * tokens * heads * head_dim * elem + 4 * tokens * heads
+    kv = heads if n_kv_heads is None else max(1, n_kv_heads // tp)
+    qkv = (3 if kv > 1 or heads == 1 else 1) * tokens * heads * head_dim * elem
+    return qkv + 4 * tokens * heads

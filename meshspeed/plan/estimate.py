@@ -152,6 +152,7 @@ def _features(cfg, model, dims, params: int, opt, acts, buffers, swapped: float)
             head_dim=model.head_dim,
             tp=dims.tp,
             elem=BYTES[t.dtype],
+            n_kv_heads=model.num_kv_heads,
         )
         back = min(2, swapped) * per  # in backward: the core being run and the prefetched one
         host, acts, buffers = host + per * swapped, acts - per * swapped, buffers + back

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -155,32 +154,3 @@ def test_world_mismatch_at_build_time_is_one_line():
     assert out.stdout.strip().startswith(
         "parallel degrees dp=1 × pp=1 × cp=1 × tp=2 = 2 ranks, but the world size is 1"
     )
-
-
-def _gloo_threads() -> int:
-    """gloo's socket-polling threads in this process (one per live gloo process group)."""
-    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    return sum(n == "gloo_tcp_loop" for n in names)
-
-
-def job_release(ctx):
-    keep, before = ctx.group_keys(), _gloo_threads()
-    ParallelDims(dp=2, tp=2).build(ctx)  # held by the context only
-    made = _gloo_threads() - before
-    released = ctx.release_groups(keep)
-    gc.collect()
-    after = _gloo_threads() - before
-    again = ParallelDims(dp=2, tp=2).build(ctx)  # made anew, and it works
-    total = comm.all_reduce(torch.ones(1), again["tp"])
-    ctx.release_groups(keep)
-    return made, released, after, ctx.group_keys() == keep, float(total)
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from /proc")
-def test_released_groups_take_their_threads_with_them():
-    # the suite's workers run hundreds of jobs on one context: a group a job made must not
-    # outlive it (idle gloo groups poll their sockets; dozens of them cost a core)
-    for made, released, after, same, total in harness.run(4, job_release):
-        assert made >= 2 and released >= 2, (made, released)
-        assert after == 0, f"{after} of {made} gloo threads outlived release_groups"
-        assert same and total == 2.0

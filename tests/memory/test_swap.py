@@ -76,7 +76,10 @@ def test_dry_run_moves_the_attention_bytes_to_the_host(tmp_path, capsys):
         assert cli.main(args + extra) == 0
         plans.append(json.loads(capsys.readouterr().out))
     c = get_preset("tiny")
-    per = attention_swap_bytes(tokens=64 * 2, n_heads=c.n_heads, head_dim=c.dim // c.n_heads, tp=2, elem=4)
+    # tiny's 2 kv heads at tp 2: one per rank, so k and v stay (broadcast views; test_swap_reference.py)
+    per = attention_swap_bytes(
+        tokens=64 * 2, n_heads=c.n_heads, head_dim=c.dim // c.n_heads, tp=2, elem=4, n_kv_heads=c.n_kv_heads
+    )
     for n, plan in ((4, plans[1]), (1, plans[2])):
         for plain, swapped in zip(plans[0]["ranks"], plan["ranks"]):
             p, s = plain["memory"], swapped["memory"]

@@ -1,7 +1,8 @@
-"""`--memory.chunked_loss` in the trainer: losses equal the run without it (float32, ≤ 1e-5
-relative: only the summation order changes) under dp 2 × tp 2 (vocab-parallel loss per chunk),
-with sequence parallelism (each rank's block cut in chunks, gathered per chunk), dp 4 + ZeRO-1,
-cp 2, pp 2 (the last stage's loss) and pp 2 × tp 2 with SP; a bad chunk is one line in the plan."""
+"""`--memory.chunked_loss` in the trainer: losses and gradient norms equal the run without it
+(float32, ≤ 1e-5 relative: only the summation order changes) under dp 2 × tp 2 (vocab-parallel
+loss per chunk), with sequence parallelism (each rank's block cut in chunks, gathered per
+chunk), dp 4 + ZeRO-1, cp 2, pp 2 (the last stage's loss) and pp 2 × tp 2 with SP; a bad chunk
+is one line in the plan."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ LAYOUTS = {
 }
 
 
-def job_losses(ctx, run_dir: str, extra: list, steps: int) -> list[list[float]]:
+def job_losses(ctx, run_dir: str, extra: list, steps: int) -> list:
     import sys
 
     from meshspeed.train.trainer import Trainer
@@ -37,7 +38,8 @@ def job_losses(ctx, run_dir: str, extra: list, steps: int) -> list[list[float]]:
             over = BASE + [("run.dir", f"{run_dir}/{chunked}"), ("train.steps", str(steps))] + extra
             over += [("memory.chunked_loss", chunked), ("memory.loss_chunk", "7")]  # 32 = 4 × 7 + 4
             trainer = Trainer(config.load(None, over), ctx)
-            out.append([trainer.train_step(s)["loss"] for s in range(steps)])
+            rows = [trainer.train_step(s) for s in range(steps)]
+            out.append(([r["loss"] for r in rows], [r["grad_norm"] for r in rows]))
     finally:
         cl.chunked_loss = real
     return out + [len(calls)]
@@ -46,8 +48,11 @@ def job_losses(ctx, run_dir: str, extra: list, steps: int) -> list[list[float]]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_chunked_loss_trains_like_the_full_logits(tmp_path, name):
     got = harness.run(4, job_losses, str(tmp_path), LAYOUTS[name], 3, timeout=300)
-    plain, chunked, _ = got[0]
+    (plain, plain_norms), (chunked, norms), _ = got[0]
     assert chunked == pytest.approx(plain, rel=1e-5), f"{name}: {chunked} vs {plain}"
+    # the gradients too: a chunk's loss scaled by its own count instead of the whole batch's
+    # would barely move AdamW's losses
+    assert norms == pytest.approx(plain_norms, rel=1e-5), f"{name}: {norms} vs {plain_norms}"
     assert sum(calls for _, _, calls in got) > 0, "no rank took the chunked loss"
     assert plain[-1] < plain[0]
 

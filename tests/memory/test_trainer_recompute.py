@@ -27,25 +27,29 @@ LAYOUTS = {
 }
 
 
-def job_losses(ctx, run_dir: str, extra: list, steps: int) -> list[list[float]]:
-    """Losses of the same layout without recompute and with each mode (one model each)."""
+def job_losses(ctx, run_dir: str, extra: list, steps: int) -> list[tuple[list, list]]:
+    """(losses, gradient norms) of the same layout without recompute and with each mode (one
+    model each)."""
     from meshspeed.train.trainer import Trainer
 
     out = []
     for mode in ("none", "activation", "selective", "full"):
         over = BASE + [("run.dir", f"{run_dir}/{mode}"), ("train.steps", str(steps))] + extra
         trainer = Trainer(config.load(None, over + [("memory.recompute", mode)]), ctx)
-        out.append([trainer.train_step(s)["loss"] for s in range(steps)])
+        rows = [trainer.train_step(s) for s in range(steps)]
+        out.append(([r["loss"] for r in rows], [r["grad_norm"] for r in rows]))
     return out
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_recompute_modes_train_like_the_run_without(tmp_path, name):
     got = harness.run(4, job_losses, str(tmp_path), LAYOUTS[name], 3, timeout=300)[0]
-    plain = got[0]
-    for mode, losses in zip(("activation", "selective", "full"), got[1:]):
-        # the recompute replays the same operations on the same inputs
+    plain, plain_norms = got[0]
+    for mode, (losses, norms) in zip(("activation", "selective", "full"), got[1:]):
+        # the recompute replays the same operations on the same inputs: gradients too (a
+        # recomputed tensor scaled or stale would move the norm before AdamW's losses)
         assert losses == pytest.approx(plain, rel=1e-6), f"{name} {mode}: {losses} vs {plain}"
+        assert norms == pytest.approx(plain_norms, rel=1e-6), f"{name} {mode}: {norms} vs {plain_norms}"
     assert plain[-1] < plain[0]
 
 
