@@ -29,8 +29,11 @@ POOL_START_S = 240.0
 # failed in connectFullMesh, "Connection closed by peer"; torch names DeviceMesh's groups by the
 # count of live groups, so a new one can take a destroyed one's name in the store). But every
 # idle gloo group keeps threads polling its sockets, and dozens of them in each of nine workers
-# burn a core; so a pool whose workers hold more than this many groups is replaced after its job.
-MAX_GROUPS = 48
+# burn a core (measured: 13% of a core per idle world-4 worker holding 30 groups); so a pool
+# whose workers hold more than this many groups is replaced after its job, and a pool no test has
+# used for IDLE_S (the fault tests run subprocesses for minutes) is stopped until it is needed.
+MAX_GROUPS = 32
+IDLE_S = 60.0
 
 
 def _process_groups() -> int:
@@ -89,6 +92,7 @@ class Pool:
         # a bound on a hang, not a speed claim: each rank imports torch and meshspeed (~10 s of
         # CPU each on the 2-core CI machine), four at once, beside whatever else is running
         self._collect(POOL_START_S, "start")
+        self.last_use = time.monotonic()
 
     def _collect(self, timeout: float, what: str) -> list:
         results: dict[int, tuple] = {}
@@ -127,6 +131,7 @@ class Pool:
         for q in self.inqs:
             q.put((fn, args, overrides))
         out, groups = zip(*self._collect(timeout, fn.__name__))
+        self.last_use = time.monotonic()
         if max(groups) > MAX_GROUPS:
             self.kill()  # the next job starts a fresh pool
         return list(out)
@@ -161,6 +166,13 @@ def run(
         return pool.run(fn, args, overrides, timeout)
     finally:
         if fresh_after:
+            pool.kill()
+
+
+def stop_idle_pools() -> None:
+    """Stop the pools no job has used for IDLE_S (called before each test)."""
+    for pool in list(_POOLS.values()):
+        if time.monotonic() - pool.last_use > IDLE_S:
             pool.kill()
 
 

@@ -47,7 +47,10 @@ def test_error_on_one_rank_ends_every_rank(start, tmp_path):
     assert not job.gone(workers)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+# SIGINT takes SIGTERM's path through the launcher: `slow`, to keep the suite's time
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGKILL]
+)
 def test_killed_launcher_leaves_no_worker(start, tmp_path, sig):
     run = tmp_path / "run"
     job = start(LONG + ["--nproc", "2", "--parallel.tp", "2", "--run.dir", str(run)])
