@@ -126,6 +126,7 @@ def _train(args, cwd):
     )
 
 
+@pytest.mark.slow  # a real 4-worker training run after the prepare (70 s on 2 cores)
 def test_prepare_a_text_directory_then_train_on_it(texts):
     """The acceptance run, through the command line as a user types it: the tiny preset's
     vocabulary (256) holds the tokenizer's 13 ids."""
