@@ -32,8 +32,10 @@ POOL_START_S = 240.0
 # burn a core (measured: 13% of a core per idle world-4 worker holding 30 groups); so a pool
 # whose workers hold more than this many groups is replaced after its job, and a pool no test has
 # used for IDLE_S (the fault tests run subprocesses for minutes) is stopped until it is needed.
+# A restart costs each rank a torch import (~7 s of CPU here): IDLE_S is long enough that the
+# pools of a file's interleaved world sizes (2, 3, 4, 2, 3, 4, ...) are not stopped between uses.
 MAX_GROUPS = 32
-IDLE_S = 60.0
+IDLE_S = 150.0
 
 
 def _process_groups() -> int:
