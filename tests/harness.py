@@ -26,8 +26,9 @@ POOL_START_S = 240.0
 # Jobs reuse the groups of the meshes they build (CommContext caches them): building a dp 2 ×
 # tp 2 mesh costs seconds on a busy 2-core machine, and destroying a job's groups to make them
 # again in the next job is not safe under torch 2.13 (seen: the rebuilt mesh's first new_group
-# failed in connectFullMesh, "Connection closed by peer"; torch names DeviceMesh's groups by the
-# count of live groups, so a new one can take a destroyed one's name in the store). But every
+# failed in connectFullMesh, "Connection closed by peer"; a likely cause: torch names DeviceMesh's
+# groups by the count of live groups, so a new one can take a destroyed one's name in the store,
+# with its stale addresses). But every
 # idle gloo group keeps threads polling its sockets, and dozens of them in each of nine workers
 # burn a core (measured: 13% of a core per idle world-4 worker holding 30 groups); so a pool
 # whose workers hold more than this many groups is replaced after its job, and a pool no test has
