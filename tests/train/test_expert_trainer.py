@@ -106,6 +106,9 @@ def test_checkpoints_reshard_across_ep(tmp_path, save_ep, load_ep):
     _close([b[2], b[3]], [a[2], a[3]])
 
 
+# three real CLI runs (1, 4 and 4 workers; 260 s on 2 cores): `slow`. The same parity at ep 2
+# and 4 runs in CI through the trainer (test_expert_parallel_losses_equal_one_process)
+@pytest.mark.slow
 def test_cli_first_ten_losses_at_ep_2_and_4_equal_one_process(tmp_path):
     """The acceptance run, as a user types it: configs/tiny-moe.toml, float32, 10 steps."""
     common = [
