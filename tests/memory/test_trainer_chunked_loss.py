@@ -45,14 +45,7 @@ def job_losses(ctx, run_dir: str, extra: list, steps: int) -> list:
     return out + [len(calls)]
 
 
-# dp 2 × tp 2 × SP (vocab-parallel chunks of a gathered sequence) and pp 2 (the last stage's
-# loss) run in CI; each of the others costs a minute of the 2-core suite: `slow`
-FAST = ("dp2-tp2-sp", "pp2-dp2")
-
-
-@pytest.mark.parametrize(
-    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
-)
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_chunked_loss_trains_like_the_full_logits(tmp_path, name):
     got = harness.run(4, job_losses, str(tmp_path), LAYOUTS[name], 3, timeout=300)
     (plain, plain_norms), (chunked, norms), _ = got[0]
