@@ -1,5 +1,6 @@
 """Session-wide test settings."""
 
+import pytest
 import torch
 
 # The distributed tests keep pools of worker processes on the same two cores; a multi-threaded
@@ -12,3 +13,26 @@ def pytest_runtest_setup(item):
     from tests import harness
 
     harness.stop_idle_pools()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
+def pytest_collection_modifyitems(config, items):
+    # the slow tier is listed in one place, each entry with the CI test that keeps its claim
+    from tests.tiers import SLOW
+
+    # files collected whole (not narrowed to some of their tests by a node id on the command line)
+    roots = [a.rstrip("/") for a in config.args if "::" not in a]
+    files = {
+        f
+        for f in {item.nodeid.split("::")[0] for item in items}
+        if any(f == r or f.startswith(r + "/") or r in ("", ".", "tests") for r in roots)
+    }
+    used = set()
+    for item in items:
+        for key in (item.nodeid, item.nodeid.split("[")[0]):
+            if key in SLOW:
+                item.add_marker(pytest.mark.slow)
+                used.add(key)
+    stale = [k for k in SLOW if k.split("::")[0] in files and k not in used]
+    if stale and not config.getoption("keyword") and not config.getoption("deselect"):
+        raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {stale}")

@@ -33,10 +33,11 @@ POOL_START_S = 240.0
 # burn a core (measured: 13% of a core per idle world-4 worker holding 30 groups); so a pool
 # whose workers hold more than this many groups is replaced after its job, and a pool no test has
 # used for IDLE_S (the fault tests run subprocesses for minutes) is stopped until it is needed.
-# A restart costs each rank a torch import (~7 s of CPU here): IDLE_S is long enough that the
-# pools of a file's interleaved world sizes (2, 3, 4, 2, 3, 4, ...) are not stopped between uses.
+# A restart is cheap (workers are forked from a server that imported torch once: 0.5 s for four
+# ranks here, against 15-40 s when each rank imported torch itself), so IDLE_S only has to span
+# the gap between the interleaved world sizes (2, 3, 4, 2, ...) of one test file.
 MAX_GROUPS = 32
-IDLE_S = 150.0
+IDLE_S = 30.0
 
 
 def _process_groups() -> int:
@@ -79,9 +80,19 @@ def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
     ctx.close()
 
 
+def _context():
+    """Workers are forked from a server that imported torch and meshspeed once: a spawned worker
+    imports them itself (~7 s of CPU each here), and a pool start cost a world-4 job ~15-40 s."""
+    mctx = mp.get_context("forkserver")
+    # torch's import starts no thread and no device runtime, so forking after it is safe (the
+    # path torch's own DataLoader workers take); each worker then builds its own gloo groups
+    mctx.set_forkserver_preload(["torch", "torch.distributed", "meshspeed.comm", "tests.harness"])
+    return mctx
+
+
 class Pool:
     def __init__(self, ws: int):
-        mctx = mp.get_context("spawn")
+        mctx = _context()
         self.ws = ws
         self.outq = mctx.Queue()
         self.inqs = [mctx.Queue() for _ in range(ws)]
