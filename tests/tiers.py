@@ -14,123 +14,235 @@ world sizes 2, 3 and 4 in CI for each kind of parallelism at its cheapest level.
 
 from __future__ import annotations
 
-SLOW: dict[str, str] = {
+_ENTRIES: list[tuple[str, str]] = [
     # --- expert parallelism: ep 2/4 and the fine-grained preset stay in CI at cheaper layouts
-    "tests/train/test_expert_trainer.py::test_fine_grained_preset_at_ep_4_equals_one_process":
+    (
+        "tests/train/test_expert_trainer.py::test_fine_grained_preset_at_ep_4_equals_one_process",
         "test_expert_trainer.py::test_expert_parallel_losses_equal_one_process[ep4-zero1]",
-    "tests/train/test_expert_trainer.py::test_capacity_routing_at_world_size_3_equals_one_process":
+    ),
+    (
+        "tests/train/test_expert_trainer.py::test_capacity_routing_at_world_size_3_equals_one_process",
         "test_expert_tp_trainer.py::test_capacity_routing_with_experts_split_over_tp_equals_one_process[1]",
-    "tests/train/test_expert_trainer.py::test_checkpoints_reshard_across_ep[2-1]":
+    ),
+    (
+        "tests/train/test_expert_trainer.py::test_checkpoints_reshard_across_ep[2-1]",
         "test_expert_trainer.py::test_checkpoints_reshard_across_ep[4-2]",
-    "tests/train/test_expert_trainer.py::test_expert_parallel_losses_equal_one_process[ep2-pp2]":
+    ),
+    (
+        "tests/train/test_expert_trainer.py::test_expert_parallel_losses_equal_one_process[ep2-pp2]",
         "test_expert_parallel_losses_equal_one_process[ep2] and tests/pipeline/test_dualpipev_runtime.py",
-    "tests/train/test_expert_tp_trainer.py::test_world_3_tp3_whole_experts_equal_one_process":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_world_3_tp3_whole_experts_equal_one_process",
         "tests/parallel/test_expert_tp.py::test_world_3_tp3_model_matches_one_process (world 3, model level)",
-    "tests/train/test_expert_tp_trainer.py::test_fine_grained_preset_tp_extend_ep_equals_one_process":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_fine_grained_preset_tp_extend_ep_equals_one_process",
         "test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[extend]",
-    "tests/train/test_expert_tp_trainer.py::test_checkpoint_at_ep2_tp2_resumes_in_one_process[etp2]":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_checkpoint_at_ep2_tp2_resumes_in_one_process[etp2]",
         "test_checkpoint_at_ep2_tp2_resumes_in_one_process[etp1]",
-    "tests/train/test_expert_tp_trainer.py::test_checkpoint_at_ep2_tp2_resumes_in_one_process[extend]":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_checkpoint_at_ep2_tp2_resumes_in_one_process[extend]",
         "test_checkpoint_at_ep2_tp2_resumes_in_one_process[etp1]",
-    "tests/train/test_expert_tp_trainer.py::test_capacity_routing_with_experts_split_over_tp_equals_one_process[2]":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_capacity_routing_with_experts_split_over_tp_equals_one_process[2]",
         "test_capacity_routing_with_experts_split_over_tp_equals_one_process[1]",
-    "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[etp1-sp-zero2]":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[etp1-sp-zero2]",
         "test_ep2_tp2_losses_equal_one_process[etp1] and [etp2-sp-allgather]",
-    "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[extend-sp-zero1]":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[extend-sp-zero1]",
         "test_ep2_tp2_losses_equal_one_process[extend] and [etp2-sp-allgather]",
-    "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[pp2-tp2-extend-sp]":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[pp2-tp2-extend-sp]",
         "test_ep2_tp2_losses_equal_one_process[pp2-tp2-etp1]",
-    "tests/train/test_expert_tp_trainer.py::test_context_parallel_tp_extend_ep_equals_one_process":
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_context_parallel_tp_extend_ep_equals_one_process",
         "test_expert_trainer.py::test_context_parallel_moe_without_router_losses_equals_one_process",
+    ),
     # --- the trainer's layouts: tp 2, dp 4 (ZeRO-1/2), pp 2, dp 2 × tp 2 + sp stay in CI
-    "tests/train/test_trainer.py::test_first_ten_losses_equal_single_process[tp4]":
-        "test_first_ten_losses_equal_single_process[tp2] and [dp4-zero1]; tests/parallel/test_tensor.py at world 4",
-    "tests/train/test_trainer.py::test_first_ten_losses_equal_single_process[qwen2-tp2]":
+    (
+        "tests/train/test_trainer.py::test_first_ten_losses_equal_single_process[tp4]",
+        "test_first_ten_losses_equal_single_process[tp2] and [dp4-zero1]; tests/parallel/test_tensor.py "
+        "at world 4",
+    ),
+    (
+        "tests/train/test_trainer.py::test_first_ten_losses_equal_single_process[qwen2-tp2]",
         "test_first_ten_losses_equal_single_process[tp2] and [qwen2-dp2-zero1]",
-    "tests/train/test_trainer.py::test_first_ten_losses_equal_single_process[moe-dp2-tp2]":
+    ),
+    (
+        "tests/train/test_trainer.py::test_first_ten_losses_equal_single_process[moe-dp2-tp2]",
         "test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process",
-    "tests/train/test_trainer.py::test_cli_resume_without_checkpoint_is_one_clear_error":
+    ),
+    (
+        "tests/train/test_trainer.py::test_cli_resume_without_checkpoint_is_one_clear_error",
         "tests/faults/test_checkpoints.py::test_latest_with_nothing_verifying_says_so",
+    ),
     # --- context parallelism: ring, ulysses, hybrid at cp 2/3/4 stay in CI (model and trainer)
-    "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-tp2]":
+    (
+        "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-tp2]",
         "test_trainer_first_ten_losses_equal_single_process[cp2-tp2-sp-ulysses]",
-    "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-pp2-ring]":
+    ),
+    (
+        "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-pp2-ring]",
         "test_trainer_first_ten_losses_equal_single_process[cp2-ring]; tests/parallel/test_zero3.py [cp2]",
-    "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-dp2-zero1]":
+    ),
+    (
+        "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-dp2-zero1]",
         "test_trainer_first_ten_losses_equal_single_process[cp4-hybrid]",
-    "tests/parallel/test_context.py::test_packed_training_under_cp_equals_single_process[packed-cp4-hybrid-4-extra2]":
-        "test_packed_training_under_cp_equals_single_process[packed-cp2-ring-2-extra0]; model-level packed cp 4",
-    "tests/parallel/test_context.py::test_packed_training_under_cp_equals_single_process[packed-cp2-ulysses-2-extra1]":
+    ),
+    (
+        "tests/parallel/test_context.py::test_packed_training_under_cp_equals_single_process[packed-cp4-hybrid-4-extra2]",
+        "test_packed_training_under_cp_equals_single_process[packed-cp2-ring-2-extra0]; model-level "
+        "packed cp 4",
+    ),
+    (
+        "tests/parallel/test_context.py::test_packed_training_under_cp_equals_single_process[packed-cp2-ulysses-2-extra1]",
         "test_packed_training_under_cp_equals_single_process[packed-cp2-ring-2-extra0]",
+    ),
     # --- checkpoints and faults: one launched run per mechanism stays in CI
-    "tests/faults/test_checkpoints.py::test_huge_learning_rate_stops_with_one_line_and_only_finite_checkpoints":
+    (
+        "tests/faults/test_checkpoints.py::test_huge_learning_rate_stops_with_one_line_and_only_finite_checkpoints",
         "test_checkpoints.py::test_nonfinite_state_is_never_saved (in-process)",
-    "tests/faults/test_checkpoints.py::test_truncated_shard_in_named_checkpoint_is_an_error_naming_the_file":
+    ),
+    (
+        "tests/faults/test_checkpoints.py::test_truncated_shard_in_named_checkpoint_is_an_error_naming_the_file",
         "tests/checkpoint/test_manifest_damage.py; test_checkpoints.py::test_missing_file_is_named",
-    "tests/faults/test_checkpoints.py::test_resume_on_other_data_is_refused_in_one_line":
+    ),
+    (
+        "tests/faults/test_checkpoints.py::test_resume_on_other_data_is_refused_in_one_line",
         "test_checkpoints.py::test_new_run_in_used_run_dir_is_refused_with_one_line (a launched refusal)",
-    "tests/faults/test_signals.py::test_killed_launcher_leaves_no_worker[15]":
+    ),
+    (
+        "tests/faults/test_signals.py::test_killed_launcher_leaves_no_worker[15]",
         "test_killed_launcher_leaves_no_worker[9]",
-    "tests/faults/test_peer_death.py::test_dead_peer_is_named_not_a_socket_error[ring]":
+    ),
+    (
+        "tests/faults/test_peer_death.py::test_dead_peer_is_named_not_a_socket_error[ring]",
         "test_dead_peer_is_named_not_a_socket_error[native]",
-    "tests/faults/test_torchrun.py::test_torchrun_restart_after_a_killed_worker_finishes_the_run":
+    ),
+    (
+        "tests/faults/test_torchrun.py::test_torchrun_restart_after_a_killed_worker_finishes_the_run",
         "tests/plan/test_plan.py::test_torchrun_bad_setting_is_one_line_from_one_rank (torchrun launch); "
         "test_signals.py::test_killed_worker_is_named_with_its_signal; resume parity in test_trainer.py",
-    "tests/faults/test_exit_stress.py::test_short_jobs_start_and_exit_without_native_aborts":
+    ),
+    (
+        "tests/faults/test_exit_stress.py::test_short_jobs_start_and_exit_without_native_aborts",
         "every launched test: each starts and exits a job",
-    "tests/faults/test_run_dir.py::test_second_run_on_a_busy_run_dir_is_one_line_naming_the_first":
-        "test_checkpoints.py::test_new_run_in_used_run_dir_is_refused_with_one_line; test_run_dir.py's lock tests",
-    "tests/checkpoint/test_checkpoint.py::test_reshard_pipeline_stages_to_one_stage_and_back":
+    ),
+    (
+        "tests/faults/test_run_dir.py::test_second_run_on_a_busy_run_dir_is_one_line_naming_the_first",
+        "test_checkpoints.py::test_new_run_in_used_run_dir_is_refused_with_one_line; test_run_dir.py's "
+        "lock tests",
+    ),
+    (
+        "tests/checkpoint/test_checkpoint.py::test_reshard_pipeline_stages_to_one_stage_and_back",
         "test_checkpoint.py::test_reshard_dp2_tp2_zero_to_tp4_and_dp4; "
         "test_pipeline_runtime.py::test_trainer_losses_and_checkpoints_across_pipeline_layouts",
-    "tests/interop/test_export_safety.py::test_overwrite_writes_beside_user_files_and_replaces_only_its_own":
+    ),
+    (
+        "tests/interop/test_export_safety.py::test_overwrite_writes_beside_user_files_and_replaces_only_its_own",
         "test_export_safety.py::test_to_hf_never_deletes_or_replaces_files_it_did_not_write",
-    "tests/interop/test_export_safety.py::test_a_directory_of_its_own_files_is_replaced_whole":
+    ),
+    (
+        "tests/interop/test_export_safety.py::test_a_directory_of_its_own_files_is_replaced_whole",
         "test_export_safety.py::test_interrupted_export_leaves_the_previous_one_whole",
-    "tests/interop/test_export_safety.py::test_from_hf_refuses_to_replace_a_checkpoint_without_overwrite":
+    ),
+    (
+        "tests/interop/test_export_safety.py::test_from_hf_refuses_to_replace_a_checkpoint_without_overwrite",
         "test_export_safety.py::test_to_hf_never_deletes_or_replaces_files_it_did_not_write",
+    ),
     # --- ZeRO, pipeline, memory features: the same parity at the cheaper sizes
-    "tests/parallel/test_zero3.py::test_zero3_under_pipeline_trains_like_one_process":
+    (
+        "tests/parallel/test_zero3.py::test_zero3_under_pipeline_trains_like_one_process",
         "test_zero3.py::test_trainer_losses_equal_single_process; test_pipeline_runtime.py's schedules",
-    "tests/parallel/test_data.py::test_bf16_keeps_fp32_masters_and_zero_shards_state":
+    ),
+    (
+        "tests/parallel/test_data.py::test_bf16_keeps_fp32_masters_and_zero_shards_state",
         "tests/memory/test_fp32_reuse.py::test_bf16_training_is_bit_identical_with_shared_masters",
-    "tests/parallel/test_pipeline_runtime.py::test_every_schedule_matches_one_process[pp2-tp2]":
+    ),
+    (
+        "tests/parallel/test_pipeline_runtime.py::test_every_schedule_matches_one_process[pp2-tp2]",
         "test_every_schedule_matches_one_process[pp2] and [pp4]",
-    "tests/parallel/test_pipeline_runtime.py::test_moe_pipeline_with_split_backward_matches_one_process":
+    ),
+    (
+        "tests/parallel/test_pipeline_runtime.py::test_moe_pipeline_with_split_backward_matches_one_process",
         "tests/pipeline/test_dualpipev_runtime.py::test_moe_overlap_is_exact_and_hands_over",
-    "tests/parallel/test_tp_overlap.py::test_trainer_losses_with_overlap_equal_single_process":
+    ),
+    (
+        "tests/parallel/test_tp_overlap.py::test_trainer_losses_with_overlap_equal_single_process",
         "test_tp_overlap.py::test_overlapped_model_matches_single_device[2-4]",
-    "tests/memory/test_recompute.py::test_recompute_tensor_parallel_exact[4]":
+    ),
+    (
+        "tests/memory/test_recompute.py::test_recompute_tensor_parallel_exact[4]",
         "test_recompute_tensor_parallel_exact[2]; tests/memory/test_trainer_recompute.py",
-    "tests/memory/test_chunked_loss.py::test_chunked_loss_vocab_parallel[4]":
+    ),
+    (
+        "tests/memory/test_chunked_loss.py::test_chunked_loss_vocab_parallel[4]",
         "test_chunked_loss_vocab_parallel[2]; tests/memory/test_trainer_chunked_loss.py",
-    "tests/memory/test_estimate.py::test_estimate_matches_count_tensor_parallel[3]":
+    ),
+    (
+        "tests/memory/test_estimate.py::test_estimate_matches_count_tensor_parallel[3]",
         "test_estimate_matches_count_tensor_parallel[2]; tests/memory/test_estimate_counted.py",
+    ),
     # --- sparsity: the 2:4 parity, packing and the async update stay in CI once each
-    "tests/train/test_sparsity.py::test_resumed_sparse_run_equals_uninterrupted_run":
+    (
+        "tests/train/test_sparsity.py::test_resumed_sparse_run_equals_uninterrupted_run",
         "tests/train/test_sparsity_comm.py::test_resume_keeps_the_packing_decision_and_an_async_update",
-    "tests/train/test_sparsity.py::test_tp2_sparse_run_matches_single_process_and_masks_agree[moe-2:4-srste]":
+    ),
+    (
+        "tests/train/test_sparsity.py::test_tp2_sparse_run_matches_single_process_and_masks_agree[moe-2:4-srste]",
         "test_tp2_sparse_run_matches_single_process_and_masks_agree[tiny-2:4]",
-    "tests/train/test_sparsity.py::test_tp2_sparse_run_matches_single_process_and_masks_agree[tiny-rigl]":
+    ),
+    (
+        "tests/train/test_sparsity.py::test_tp2_sparse_run_matches_single_process_and_masks_agree[tiny-rigl]",
         "test_tp2_sparse_run_matches_single_process_and_masks_agree[tiny-2:4]",
-    "tests/train/test_sparsity_async.py::test_checkpoint_with_an_update_in_flight_resumes_exactly":
+    ),
+    (
+        "tests/train/test_sparsity_async.py::test_checkpoint_with_an_update_in_flight_resumes_exactly",
         "tests/train/test_sparsity_comm.py::test_resume_keeps_the_packing_decision_and_an_async_update",
-    "tests/train/test_sparsity_async.py::test_async_losses_equal_at_dp1_and_dp2_tp2":
+    ),
+    (
+        "tests/train/test_sparsity_async.py::test_async_losses_equal_at_dp1_and_dp2_tp2",
         "test_sparsity_async.py::test_async_is_sync_installed_one_step_later; "
         "test_sparsity_comm.py::test_resume_keeps_the_packing_decision_and_an_async_update (dp 2)",
-    "tests/train/test_sparsity_comm.py::test_trainer_losses_equal_dense_communication_and_bytes_are_n_over_m[dp2-zero1]":
+    ),
+    (
+        "tests/train/test_sparsity_comm.py::test_trainer_losses_equal_dense_communication_and_bytes_are_n_over_m[dp2-zero1]",
         "[dp2] and [dp2-zero2] of the same test",
-    "tests/train/test_sparsity_comm.py::test_trainer_losses_equal_dense_communication_and_bytes_are_n_over_m[moe-dp4-ep2-zero1]":
+    ),
+    (
+        "tests/train/test_sparsity_comm.py::test_trainer_losses_equal_dense_communication_and_bytes_are_n_over_m[moe-dp4-ep2-zero1]",
         "[moe-dp2-zero1] of the same test",
+    ),
     # --- compile, generate, bench, plan: one launched or compiled run each
-    "tests/train/test_compile.py::test_compiled_losses_equal_eager_tp2":
+    (
+        "tests/train/test_compile.py::test_compiled_losses_equal_eager_tp2",
         "test_compile.py::test_compiled_losses_equal_eager_one_process",
-    "tests/infer/test_parallel_generate.py::test_layouts_equal_single_process[tp2xdp2]":
+    ),
+    (
+        "tests/infer/test_parallel_generate.py::test_layouts_equal_single_process[tp2xdp2]",
         "test_layouts_equal_single_process[tp2] and [dp2]",
-    "tests/infer/test_cli_generate.py::test_pipeline_generation_of_an_untied_model_equals_one_process":
+    ),
+    (
+        "tests/infer/test_cli_generate.py::test_pipeline_generation_of_an_untied_model_equals_one_process",
         "tests/infer/test_parallel_generate.py::test_layouts_equal_single_process[pp2]",
-    "tests/test_cli_bench.py::test_bench_comm_under_torchrun":
+    ),
+    (
+        "tests/test_cli_bench.py::test_bench_comm_under_torchrun",
         "test_cli_bench.py::test_bench_comm_spawned_checks_plots_and_fits",
-    "tests/plan/test_plan.py::test_the_run_records_its_plan_in_meta_json":
+    ),
+    (
+        "tests/plan/test_plan.py::test_the_run_records_its_plan_in_meta_json",
         "tests/plan/test_plan.py's dry-run JSON tests (the same plan, printed)",
-}
+    ),
+]
+SLOW: dict[str, str] = dict(_ENTRIES)

@@ -95,6 +95,9 @@ class ZeroAdamW:
         self._skip_pending: torch.Tensor | None = None  # a device-side skip flag not read yet
         self.early = None  # memory.offload.EarlyUpdates: buckets updated during backward
         self._step_t: torch.Tensor | None = None
+        # ZeRO-1 over dp > 1: the clipping factor of the last step, which the kernels applied to
+        # this rank's slice of each bucket's gradient only (see clip_whole_grads)
+        self._clip_rest: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.param_groups = [
             {
                 "lr": float(lr),
@@ -117,6 +120,8 @@ class ZeroAdamW:
             layout = DecayLayout(hi - lo, segments(b.spec, lo, hi, lambda s: s.name in decayed))
             self.shards.append(_Shard(master, layout, owns))
         dp.release_master_source()
+        # whether this rank updates only a slice of some bucket (ZeRO over dp > 1)
+        self._partial = any(dp.opt_range(i) != (0, b.spec.numel) for i, b in enumerate(dp.buckets))
         # views made once: slicing is an operator call per bucket and step otherwise
         self._grads = [dp.reduced_grad(i, *dp.opt_range(i)) for i in range(len(dp.buckets))]
 
@@ -132,7 +137,38 @@ class ZeroAdamW:
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - buckets are reused, never None
         if self.early is not None:
             self.early.discard()  # a skipped step: what backward updated ahead is undone
+        self._clip_rest = None
         self.dp.zero_grad()
+
+    @torch.no_grad()
+    def clip_whole_grads(self) -> None:
+        """After a clipped step(): make the REST of every reduced bucket gradient hold the
+        clipped product too, rounded as the kernel rounded this rank's slice, so each bucket's
+        whole gradient is what one process (or clip_grad_norm_) leaves, on every dp rank.
+
+        The kernels scale only the slice this rank updates (its opt_range). Under ZeRO-1 over
+        dp > 1 each rank holds the whole reduced gradient, but after step() only its 1/dp slice
+        is clipped: a reader of whole gradients between step() and zero_grad() (RigL or elastic
+        N:M growth by |grad|, the gradient adapters) would see part clipped, part not, and a
+        different mixture on each dp rank. The pass costs a multiply over the other (dp-1)/dp
+        of the gradients, so it is made only here, on request, once per step; without ZeRO, at
+        dp 1, or when the step clipped nothing it does nothing (ZeRO-2/3 keep only the slice)."""
+        rest, self._clip_rest = self._clip_rest, None
+        if rest is None:
+            return
+        coef, scale = rest
+        dp = self.dp
+        for i, b in enumerate(dp.buckets):
+            if b.grad_shard is not None or getattr(b, "freed", False):
+                continue
+            lo, hi = dp.opt_range(i)
+            for g in (b.grad[:lo], b.grad[hi:]):
+                if not g.numel():
+                    continue
+                if scale is not None and g.dtype == torch.float32:
+                    g.div_(scale)  # torch's fused kernel divides by 1 / coef (adamw_torch)
+                else:
+                    g.mul_(coef.to(g.device))  # the reference, Triton and bf16-gradient paths
 
     def _settle(self) -> None:
         """Take back the count of a step its kernel skipped on the device (found_inf), read
@@ -170,6 +206,9 @@ class ZeroAdamW:
         ahead = self.early.settle(hp, clip_coef, found_inf) if self.early is not None else 0
         step_t = self.step_tensor(hp)
         scale = clip_coef.reciprocal() if clip_coef is not None and self.impl == "torch" else None
+        # what clip_whole_grads applies to the gradients outside this rank's slices, if asked
+        partial = clip_coef is not None and found_inf is None and self._partial
+        self._clip_rest = (clip_coef, scale) if partial else None
         handles = []
         for i in range(len(self.shards)):
             if i >= ahead:

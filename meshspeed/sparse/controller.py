@@ -211,8 +211,15 @@ class MaskController:
                 regrown = reset_regrown(t.weight, new & ~old, self.optimizer)
             elif grow and levels[name] > 0 and not bool(old.all()):
                 g = self._grow_scores(t).float()
-                # kept weights outrank every candidate; the rest compete by |grad|
-                new = mask_for(t, levels[name], scores=g + old.float() * (g.max() + 1.0))
+                # kept weights outrank every candidate; the rest compete by |grad|. Scaled to
+                # [0, 1] first: the transposable mask ranks float32 SUMS of 8 scores per 4x4
+                # block, and a bonus of 16 (a power of two) exceeds any difference of 8
+                # candidates' sums without drowning them, whatever the gradient's scale (a bonus
+                # of max + 1 added to gradients ~1e-5 ranked them at ~5e-7 absolute resolution:
+                # the choice then moved with a uniform scale of the gradient)
+                top = g.max()
+                g = g / torch.where(top > 0, top, torch.ones_like(top))  # no host sync
+                new = mask_for(t, levels[name], scores=g + old.float() * 16.0)
                 regrown = reset_regrown(t.weight, new & ~old, self.optimizer)
             else:
                 new = mask_for(t, levels[name])

@@ -134,6 +134,10 @@ class SparsityHook:
         last = ctl.last_update
         if ctl.should_update(done):
             last = done  # also when a background job has not recorded it yet
+            if self.need_grad and hasattr(self.optimizer, "clip_whole_grads"):
+                # under ZeRO-1 step() clipped only this rank's slice of the reduced gradients:
+                # growth must read the whole clipped gradient, the same on every dp rank
+                self.optimizer.clip_whole_grads()
             if self.async_masks and not ctl.pattern_due(done):
                 self._launch(done)
             else:

@@ -371,3 +371,45 @@ def test_bf16_gradients_land_in_the_bucket_with_one_copy_then_adds():
     opt.zero_grad()
     assert all(not b.landed and not b.grad.any() for b in dp.buckets)
     dp.remove_hooks()
+
+
+# ------------------------------------------------- whole clipped gradients under ZeRO-1
+_GRADS: list = []
+
+
+def _whole_grads(dp, opt):
+    def after(step):
+        if step == 1:  # the clipped step: every bucket's gradient before and after the call
+            part = torch.cat([b.grad.float() for b in dp.buckets])
+            opt.clip_whole_grads()
+            _GRADS.append((part, torch.cat([b.grad.float() for b in dp.buckets])))
+
+    return after
+
+
+def job_whole_grads(ctx):
+    out = {}
+    for impl in ("torch", "reference"):
+        for dtype in (torch.float32, torch.bfloat16):
+            for zero in (0, 1):
+                _GRADS.clear()
+                _train(ctx, impl, zero, dtype, variant=_whole_grads)
+                out[impl, dtype, zero] = _GRADS[0]
+    return out
+
+
+def test_clip_whole_grads_leaves_zero1_buckets_as_one_process_would():
+    """A clipped step clips only the slice of each bucket's gradient this rank updates; under
+    ZeRO-1 (dp 2) clip_whole_grads makes the rest the same product, rounded as the kernel rounds
+    it (torch's fused kernel divides by 1 / coef, the others multiply), so every dp rank holds
+    the gradient an unsharded optimizer leaves, bit for bit (sparse growth reads it)."""
+    res = harness.run(2, job_whole_grads, timeout=240)
+    for impl in ("torch", "reference"):
+        for dtype in (torch.float32, torch.bfloat16):
+            what = f"{impl} {dtype}"
+            plain_before, plain = res[0][impl, dtype, 0]
+            part, whole = res[0][impl, dtype, 1]
+            assert torch.equal(plain_before, plain), what + ": zero 0 clipped everything in step()"
+            assert not torch.equal(part, plain), what + ": ZeRO-1 step() clipped the whole gradient"
+            assert torch.equal(whole, plain), what + ": ZeRO-1 gradient after clip_whole_grads"
+            assert torch.equal(res[1][impl, dtype, 1][1], whole), what + ": dp ranks differ"
