@@ -15,9 +15,9 @@ import runpy
 import sys
 
 EXAMPLES = """examples:
-  meshspeed run --nproc 2 train.py                      # 2 workers, each runs train.py as __main__
+  meshspeed run --nproc 2 train.py                        # 2 workers, each runs train.py as __main__
   meshspeed run --nproc 4 train.py --lr 3e-4 --steps 100  # everything after the script is its own
-  meshspeed run --nproc 2 --max-restarts 3 train.py     # a failed group is started again, 3 times at most
+  meshspeed run --nproc 2 --max-restarts 3 train.py       # a failed group starts again, 3 times at most
 
 The script reads its place in the job from the environment, as under torchrun:
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (127.0.0.1 and a free
@@ -30,7 +30,8 @@ above; a worker killed by a signal is named with it ("rank 1 was killed by SIGKI
 Ctrl-C or SIGTERM to this command stops every worker. sys.exit(0) in a worker is success.
 Collectives time out where the script asks: meshspeed.comm.init() applies MESHSPEED_TIMEOUT
 (default 300 s) to every group; a plain init_process_group() has torch's default unless the
-script passes timeout=. See docs/run.md.
+script passes timeout=. Exit codes: 0 success, 1 a worker failed (after the last restart), 2 a bad
+argument (one line, before any worker starts), 128 + N stopped by signal N. See docs/run.md.
 """
 
 
