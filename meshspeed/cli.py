@@ -20,6 +20,7 @@ SUBCOMMANDS = [
     "meshspeed.commands.generate",
     "meshspeed.commands.pipeline",
     "meshspeed.commands.plan",
+    "meshspeed.commands.run",
     "meshspeed.commands.train",
 ]
 

@@ -1,4 +1,4 @@
-"""Real processes for fault injection: start `meshspeed train` (or torchrun), find its workers,
+"""Real processes for fault injection: start `meshspeed train` (or `run`, or torchrun), find its workers,
 inject a fault from outside (a signal, a file change), and wait for the end with a bound.
 
 Every wait is bounded by a subprocess timeout, so a hang fails its test instead of stalling CI;
@@ -81,7 +81,7 @@ def cmdline(pid: int) -> str:
 
 
 class Job:
-    """One `meshspeed train` (or torchrun) process tree, with its output in files."""
+    """One `meshspeed train` (or `meshspeed run`, or torchrun) process tree, with its output in files."""
 
     def __init__(
         self,
@@ -91,11 +91,12 @@ class Job:
         torchrun: list[str] | None = None,
         name: str = "job",
         extra_env: dict[str, str] | None = None,
+        command: str = "train",
     ):
         self.dir = tmp_path
         self.out_path, self.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         if torchrun is None:
-            cmd = [sys.executable, "-m", "meshspeed", "train", *args]
+            cmd = [sys.executable, "-m", "meshspeed", command, *args]
         else:
             cmd = [
                 sys.executable,
