@@ -37,7 +37,7 @@ POOL_START_S = 240.0
 # ranks here, against 15-40 s when each rank imported torch itself), so IDLE_S only has to span
 # the gap between the interleaved world sizes (2, 3, 4, 2, ...) of one test file.
 MAX_GROUPS = 32
-IDLE_S = 30.0
+IDLE_S = 150.0
 
 
 def _process_groups() -> int:

@@ -42,11 +42,11 @@ _ENTRIES: list[tuple[str, str]] = [
     ),
     (
         "tests/train/test_expert_tp_trainer.py::test_checkpoint_at_ep2_tp2_resumes_in_one_process[etp2]",
-        "test_checkpoint_at_ep2_tp2_resumes_in_one_process[etp1]",
+        "tests/train/test_expert_trainer.py::test_checkpoints_reshard_across_ep[4-2]",
     ),
     (
         "tests/train/test_expert_tp_trainer.py::test_checkpoint_at_ep2_tp2_resumes_in_one_process[extend]",
-        "test_checkpoint_at_ep2_tp2_resumes_in_one_process[etp1]",
+        "tests/train/test_expert_trainer.py::test_checkpoints_reshard_across_ep[4-2]",
     ),
     (
         "tests/train/test_expert_tp_trainer.py::test_capacity_routing_with_experts_split_over_tp_equals_one_process[2]",
@@ -62,7 +62,7 @@ _ENTRIES: list[tuple[str, str]] = [
     ),
     (
         "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[pp2-tp2-extend-sp]",
-        "test_ep2_tp2_losses_equal_one_process[pp2-tp2-etp1]",
+        "test_ep2_tp2_losses_equal_one_process[etp1]; tests/pipeline/test_dualpipev_runtime.py",
     ),
     (
         "tests/train/test_expert_tp_trainer.py::test_context_parallel_tp_extend_ep_equals_one_process",
@@ -89,7 +89,7 @@ _ENTRIES: list[tuple[str, str]] = [
     # --- context parallelism: ring, ulysses, hybrid at cp 2/3/4 stay in CI (model and trainer)
     (
         "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-tp2]",
-        "test_trainer_first_ten_losses_equal_single_process[cp2-tp2-sp-ulysses]",
+        "test_trainer_first_ten_losses_equal_single_process[cp2-ulysses]; tests/parallel/test_tensor.py",
     ),
     (
         "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-pp2-ring]",
@@ -217,7 +217,7 @@ _ENTRIES: list[tuple[str, str]] = [
     ),
     (
         "tests/train/test_sparsity_comm.py::test_trainer_losses_equal_dense_communication_and_bytes_are_n_over_m[dp2-zero1]",
-        "[dp2] and [dp2-zero2] of the same test",
+        "[dp2-zero2] of the same test",
     ),
     (
         "tests/train/test_sparsity_comm.py::test_trainer_losses_equal_dense_communication_and_bytes_are_n_over_m[moe-dp4-ep2-zero1]",
@@ -243,6 +243,174 @@ _ENTRIES: list[tuple[str, str]] = [
     (
         "tests/plan/test_plan.py::test_the_run_records_its_plan_in_meta_json",
         "tests/plan/test_plan.py's dry-run JSON tests (the same plan, printed)",
+    ),
+    # --- a second cut (measured again with pools that keep their groups): one launched run per
+    # mechanism, and the trainer-level matrices at a few layouts covering world sizes 2, 3 and 4
+    (
+        "tests/train/test_eval.py::test_eval_equals_the_trainers_validation_loss",
+        "tests/infer/test_cli_generate.py::test_meshspeed_checkpoint_equals_hf (a trained checkpoint read"
+        " back); test_eval.py::test_eval_of_something_that_is_not_a_checkpoint_is_one_line",
+    ),
+    (
+        "tests/faults/test_root_cause.py::test_stopped_rank_is_named_as_the_root_cause",
+        "tests/comm/test_desync.py::test_missing_rank_is_named_native_path and [debug mode]: the same "
+        "diagnosis in-process",
+    ),
+    (
+        "tests/parallel/test_fused_adamw.py::test_every_zero_stage_and_memory_feature_trains_the_same_bits_with_the_kernel",
+        "test_fused_adamw.py's kernel-against-reference tests; "
+        "test_clip_whole_grads_leaves_zero1_buckets_as_one_process_would",
+    ),
+    (
+        "tests/interop/test_export_safety.py::test_interrupted_export_leaves_the_previous_one_whole",
+        "test_export_safety.py::test_to_hf_never_deletes_or_replaces_files_it_did_not_write",
+    ),
+    (
+        "tests/train/test_trainer.py::test_resumed_run_equals_uninterrupted_run",
+        "test_trainer.py::test_tp2_checkpoint_resumes_under_tp1 (resume across layouts)",
+    ),
+    (
+        "tests/test_cli_bench.py::test_bench_comm_spawned_checks_plots_and_fits",
+        "tests/comm/test_collectives.py (the collectives); test_cli_bench.py's bad-input tests",
+    ),
+    (
+        "tests/kernels/test_choose.py::test_trainer_with_fused_kernels_equals_reference",
+        "tests/kernels/test_rope_add_norm.py::test_model_with_every_triton_site_matches_reference_model; "
+        "test_choose.py's unit tests",
+    ),
+    (
+        "tests/faults/test_signals.py::test_error_on_one_rank_ends_every_rank",
+        "tests/faults/test_run_command.py (a rank that raises ends the job, no worker left)",
+    ),
+    (
+        "tests/kernels/test_gpu_report.py::test_cuda_path_selection_keeps_the_tests_that_name_cuda",
+        "test_gpu_report.py::test_dry_lists_every_step_of_a_gpu_run",
+    ),
+    (
+        "tests/parallel/test_zero_overlap.py::test_trainer_losses_with_prefetch_equal_single_process",
+        "test_zero_overlap.py::test_prefetched_gather_equals_blocking_gather",
+    ),
+    (
+        "tests/interop/test_cuda_convert.py::test_convert_round_trip_leaves_the_gpu_alone",
+        "tests/interop/test_hf.py (the round trip in-process)",
+    ),
+    (
+        "tests/data/test_prepare_safety.py::test_sigkill_mid_prepare_leaves_the_previous_pair_whole",
+        "test_prepare_safety.py::test_an_out_it_did_not_write_is_replaced_only_with_overwrite",
+    ),
+    (
+        "tests/comm/test_desync.py::test_missing_rank_is_named_algorithm_path",
+        "test_desync.py::test_missing_rank_is_named_native_path",
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_checkpoint_at_ep2_tp2_resumes_in_one_process[etp1]",
+        "tests/train/test_expert_trainer.py::test_checkpoints_reshard_across_ep[4-2]",
+    ),
+    (
+        "tests/memory/test_chunked_loss.py::test_chunked_loss_vocab_parallel[3]",
+        "test_chunked_loss_vocab_parallel[2]",
+    ),
+    (
+        "tests/memory/test_fp32_reuse.py::test_bf16_training_is_bit_identical_with_shared_masters[dp2-tp2-zero1]",
+        "[one-process] and [pp2-dp2-zero2] of the same test",
+    ),
+    (
+        "tests/memory/test_swap.py::test_training_is_bit_identical_with_swapped_activations[dp2-tp2-sp]",
+        "[one-process] and [pp2-dp2] of the same test",
+    ),
+    (
+        "tests/memory/test_trainer_chunked_loss.py::test_chunked_loss_trains_like_the_full_logits[dp2-tp2]",
+        "[dp2-tp2-sp] of the same test",
+    ),
+    (
+        "tests/memory/test_trainer_chunked_loss.py::test_chunked_loss_trains_like_the_full_logits[dp2-cp2]",
+        "tests/parallel/test_zero3.py::test_trainer_losses_equal_single_process[cp2]; [dp4-zero1] of the "
+        "same test",
+    ),
+    (
+        "tests/memory/test_trainer_chunked_loss.py::test_chunked_loss_trains_like_the_full_logits[pp2-tp2-sp]",
+        "[pp2-dp2] and [dp2-tp2-sp] of the same test",
+    ),
+    (
+        "tests/parallel/test_context.py::test_trainer_first_ten_losses_equal_single_process[cp2-tp2-sp-ulysses]",
+        "[cp2-ulysses] and [cp4-hybrid] of the same test",
+    ),
+    (
+        "tests/parallel/test_pipeline_runtime.py::test_every_schedule_matches_one_process[pp2-dp2]",
+        "[pp2] and [pp4] of the same test",
+    ),
+    (
+        "tests/parallel/test_zero3.py::test_trainer_losses_equal_single_process[dp2-tp2]",
+        "[dp2], [cp2] and [moe-dp4-ep2] of the same test; "
+        "tests/parallel/test_zero3.py::test_zero3_dp2_tp2_tied_embeddings_matches_one_process",
+    ),
+    (
+        "tests/parallel/test_zero3.py::test_trainer_losses_equal_single_process[dp2-tp2-sp]",
+        "test_zero3_dp2_tp2_tied_embeddings_matches_one_process",
+    ),
+    (
+        "tests/parallel/test_zero3.py::test_trainer_losses_equal_single_process[moe-dp2]",
+        "[moe-dp4-ep2] of the same test",
+    ),
+    (
+        "tests/parallel/test_zero3.py::test_trainer_losses_equal_single_process[moe-ep2]",
+        "[moe-dp4-ep2] of the same test",
+    ),
+    (
+        "tests/parallel/test_zero3.py::test_trainer_losses_equal_single_process[dp2-recompute-chunked-loss]",
+        "[dp2] of the same test; tests/memory/test_trainer_recompute.py",
+    ),
+    (
+        "tests/parallel/test_zero_overlap.py::test_prefetched_gather_equals_blocking_gather[1-2]",
+        "[2-2] of the same test",
+    ),
+    (
+        "tests/parallel/test_zero_overlap.py::test_prefetched_gather_equals_blocking_gather[1-4]",
+        "[2-4] of the same test",
+    ),
+    (
+        "tests/parallel/test_zero_overlap.py::test_prefetched_gather_equals_blocking_gather[2-3]",
+        "[1-3] of the same test",
+    ),
+    (
+        "tests/pipeline/test_dualpipev_runtime.py::test_moe_overlap_is_exact_and_hands_over[pp2-ep2]",
+        "[pp2-ep2-zero1] of the same test",
+    ),
+    (
+        "tests/pipeline/test_dualpipev_runtime.py::test_moe_overlap_is_exact_and_hands_over[pp2-tp2]",
+        "[pp2-ep2-zero1] of the same test",
+    ),
+    (
+        "tests/test_benchmarks.py::test_dtensor_tp_peer_matches_one_device[tp]",
+        "[tp-sp] of the same test",
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[etp2]",
+        "[etp2-sp-allgather] of the same test",
+    ),
+    (
+        "tests/train/test_expert_tp_trainer.py::test_ep2_tp2_losses_equal_one_process[pp2-tp2-etp1]",
+        "[etp1] of the same test; tests/pipeline/test_dualpipev_runtime.py",
+    ),
+    (
+        "tests/train/test_expert_trainer.py::test_expert_parallel_losses_equal_one_process[dp4-ep2-zero2]",
+        "[ep4-zero1] of the same test",
+    ),
+    (
+        "tests/train/test_sparsity_comm.py::test_trainer_losses_equal_dense_communication_and_bytes_are_n_over_m[dp2]",
+        "[dp2-zero2] of the same test",
+    ),
+    (
+        "tests/train/test_sparsity_comm.py::test_trainer_losses_equal_dense_communication_and_bytes_are_n_over_m[moe-dp2-zero1]",
+        "[dp2xtp2] of the same test; tests/train/test_sparsity.py's moe cases",
+    ),
+    (
+        "tests/faults/test_run_command.py::test_failed_rank_is_named_and_no_worker_is_left[kill]",
+        "tests/faults/test_signals.py::test_killed_worker_is_named_with_its_signal (the same launcher)",
+    ),
+    (
+        "tests/faults/test_run_command.py::test_sigterm_to_the_launcher_leaves_no_worker",
+        "tests/faults/test_signals.py::test_killed_launcher_leaves_no_worker[9] (the same launcher)",
     ),
 ]
 SLOW: dict[str, str] = dict(_ENTRIES)
