@@ -33,9 +33,11 @@ POOL_START_S = 240.0
 # burn a core (measured: 13% of a core per idle world-4 worker holding 30 groups); so a pool
 # whose workers hold more than this many groups is replaced after its job, and a pool no test has
 # used for IDLE_S (the fault tests run subprocesses for minutes) is stopped until it is needed.
-# A restart is cheap (workers are forked from a server that imported torch once: 0.5 s for four
-# ranks here, against 15-40 s when each rank imported torch itself), so IDLE_S only has to span
-# the gap between the interleaved world sizes (2, 3, 4, 2, ...) of one test file.
+# Starting the workers is cheap (forked from a server that imported torch once: 0.5 s for four
+# ranks here, against 15-40 s when each rank imported torch itself), but a new pool builds its
+# meshes' groups again, which is not: at IDLE_S = 30 the pools stopped between files and
+# test_context.py took 268 s instead of 171. IDLE_S spans the gaps between a file's world sizes
+# and between neighbouring files that use the same ones.
 MAX_GROUPS = 32
 IDLE_S = 150.0
 
