@@ -185,10 +185,10 @@ def run(
             pool.kill()
 
 
-def stop_idle_pools() -> None:
-    """Stop the pools no job has used for IDLE_S (called before each test)."""
+def stop_idle_pools(everything: bool = False) -> None:
+    """Stop the pools no job has used for IDLE_S, or all of them (called before each test)."""
     for pool in list(_POOLS.values()):
-        if time.monotonic() - pool.last_use > IDLE_S:
+        if everything or time.monotonic() - pool.last_use > IDLE_S:
             pool.kill()
 
 
