@@ -136,7 +136,8 @@ _ENTRIES: list[tuple[str, str]] = [
     ),
     (
         "tests/faults/test_exit_stress.py::test_short_jobs_start_and_exit_without_native_aborts",
-        "every launched test: each starts and exits a job",
+        "tests/faults/test_run_command.py::test_plain_torch_distributed_script and every launched test "
+        "(each starts and exits a job)",
     ),
     (
         "tests/faults/test_run_dir.py::test_second_run_on_a_busy_run_dir_is_one_line_naming_the_first",
