@@ -159,7 +159,7 @@ class ZeroAdamW:
         coef, scale = rest
         dp = self.dp
         for i, b in enumerate(dp.buckets):
-            if b.grad_shard is not None or getattr(b, "freed", False):
+            if b.grad_shard is not None or b.freed:
                 continue
             lo, hi = dp.opt_range(i)
             for g in (b.grad[:lo], b.grad[hi:]):
