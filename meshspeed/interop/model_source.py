@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-from meshspeed.checkpoint.dcp import STATE, load_state
 from meshspeed.checkpoint.dirs import CheckpointError, resolve
 from meshspeed.comm.errors import ConfigError
 from meshspeed.models import ModelConfig, get_preset
@@ -31,6 +30,10 @@ def preset_config(preset: str, overrides: dict, seq_len: int) -> ModelConfig:
 def checkpoint_state(path: str) -> tuple[str, dict]:
     """(checkpoint directory, its state.pt) for a checkpoint or a run directory (its latest);
     plain data only, as the checkpoint loader reads it."""
+    # Here, not at the top: the run plan imports this module, and torch's distributed
+    # checkpoint (3 s to import on 2 CPU cores) is needed only when there is a checkpoint.
+    from meshspeed.checkpoint.dcp import STATE, load_state
+
     resolved = resolve(path)
     return resolved, load_state(os.path.join(resolved, STATE))
 

@@ -167,8 +167,13 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
         # Non-persistent: derived from the config, so checkpoints neither carry nor reshard them.
-        # init_rope() recomputes them after meta-device construction + to_empty().
-        cos, sin = rope_tables(config)
+        # init_rope() recomputes them after meta-device construction + to_empty(). On meta they
+        # are left empty: arithmetic there runs torch's Python meta kernels, whose first use
+        # imports dynamo (2.5 s per process on 2 CPU cores) to compute nothing.
+        if torch.empty(0).is_meta:
+            cos = sin = torch.empty(config.max_seq_len, config.head_dim // 2)
+        else:
+            cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, head_dim // 2]
         self.register_buffer("rope_sin", sin, persistent=False)
 

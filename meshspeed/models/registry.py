@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from meshspeed.comm.recipe import Recipe
+from meshspeed.comm.recipe import Recipe, build_on_meta
 
 from . import llama, qwen2
 from .config import FAMILIES, ModelConfig
@@ -26,8 +26,7 @@ def build_model(
     """The whole single-device model: constructed on the meta device (no memory, no wasted
     default init), materialised on `device`, then the seeded init. RoPE tables stay float32
     whatever `dtype`. (meshspeed.parallel.materialize builds a rank's shards instead.)"""
-    with torch.device("meta"):
-        model = recipe_for(config).build()
+    model = build_on_meta(recipe_for(config))
     model.to_empty(device=device)
     if dtype is not None:
         model.to(dtype)

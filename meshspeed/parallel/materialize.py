@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from meshspeed.comm.placement import local_piece, sharding_of, tag
-from meshspeed.comm.recipe import Recipe, tie
+from meshspeed.comm.recipe import Recipe, build_on_meta, tie
 from meshspeed.parallel.tensor import parallelize
 
 
@@ -102,8 +102,7 @@ def build_parallel_model(
     does not hold), tensor parallel over mesh["tp"], `transform(model)` applied (expert
     parallelism: the expert weights are cut on meta too), then materialised. Without a process
     group (one device) it is the single-device model."""
-    with torch.device("meta"):
-        model = recipe.build()
+    model = build_on_meta(recipe)
     if keep is not None:
         keep(model)
     parallelize(model, mesh, recipe, sequence_parallel=sequence_parallel, plan=plan)

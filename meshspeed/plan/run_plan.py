@@ -25,6 +25,7 @@ import torch
 
 from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.comm.placement import chunk_sizes, sharding_of
+from meshspeed.comm.recipe import build_on_meta
 from meshspeed.data.loader import accumulation_steps
 from meshspeed.interop.model_source import preset_config
 from meshspeed.models import ModelConfig, recipe_for
@@ -237,8 +238,7 @@ def _owner(fqn: str, units) -> tuple[str, int | None]:
 def rank_params(recipe, dims: ParallelDims, layouts, cfg, only=None) -> tuple[int, list[int]]:
     """(the model's parameters, those each rank holds: tied ones once per rank), from one meta
     build. `only`: count just these ranks (the others read 0; the planner's representatives)."""
-    with torch.device("meta"):
-        model = recipe.build()
+    model = build_on_meta(recipe)
     total = sum(p.numel() for p in model.parameters())
     parallelize(model, _Shapes(dims, 0), recipe, sequence_parallel=cfg.parallel.sequence_parallel)
     apply_expert_parallel(model, _Shapes(dims, 0), cfg)  # the experts' tags: the trainer's own call
