@@ -62,4 +62,7 @@ def run(args) -> int:
             print(f"meshspeed eval: warning: {w}", file=sys.stderr, flush=True)
     if launched():
         return launch.run_worker(worker, (plan.to_dict(), args.json))
-    return launch.spawn(worker, cfg.nproc, (plan.to_dict(), args.json))
+    preload = ("meshspeed.train.trainer",)  # a CPU job forks its workers from here (launch.spawn)
+    return launch.spawn(
+        worker, cfg.nproc, (plan.to_dict(), args.json), fork_ok=plan.device == "cpu", preload=preload
+    )

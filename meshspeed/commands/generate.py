@@ -83,4 +83,5 @@ def run(args) -> int:
         print(f"meshspeed generate: warning: {job['device_notice']}", file=sys.stderr, flush=True)
     if args.nproc == 1:
         return launch.run_worker(worker, (job,))
-    return launch.spawn(worker, args.nproc, (job,))
+    preload = ("meshspeed.checkpoint.dcp", "meshspeed.infer.parallel", "meshspeed.interop.hf_import")
+    return launch.spawn(worker, args.nproc, (job,), fork_ok=job["device"] == "cpu", preload=preload)

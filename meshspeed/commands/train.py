@@ -109,6 +109,8 @@ def run(args) -> int:
     if launched():  # torchrun: this process is one rank; a failure is one line and a non-zero exit
         return launch.run_worker(worker, (plan.to_dict(),))
     try:
-        return launch.spawn(worker, cfg.nproc, (plan.to_dict(), True))
+        # A CPU job forks its workers from this process, which imported the trainer once.
+        fork_ok, preload = plan.device == "cpu", ("meshspeed.train.trainer",)
+        return launch.spawn(worker, cfg.nproc, (plan.to_dict(), True), fork_ok=fork_ok, preload=preload)
     finally:
         lock.release()  # the kernel drops it too if this process dies
