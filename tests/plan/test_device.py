@@ -97,7 +97,7 @@ def test_dry_run_and_the_launcher_print_the_notice_once(tmp_path, monkeypatch, c
     assert cli.main(["train", "--dry-run", "--json", "--run.dir", str(tmp_path / "r")]) == 0
     assert json.loads(capsys.readouterr().out)["device"] == "cpu"
     seen = []
-    monkeypatch.setattr(launch, "spawn", lambda fn, n, args: seen.append(args[0]["device"]) or 0)
+    monkeypatch.setattr(launch, "spawn", lambda fn, n, args, **k: seen.append(args[0]["device"]) or 0)
     assert cli.main(["train", "--run.dir", str(tmp_path / "r")]) == 0  # spawn: the plan's device
     err = capsys.readouterr().err
     assert seen == ["cpu"] and err.count("run.device=auto") == 1 and "warning" in err
