@@ -218,7 +218,10 @@ def test_config_json_values_are_typed_and_plausible(tmp_path, change, needle):
 def test_index_weight_map_stays_inside_the_model_directory(tmp_path):
     (tmp_path / "m").mkdir()
     os.symlink("/etc", tmp_path / "m" / "etc")
-    for target in ("../outside.safetensors", "/etc/passwd", "etc/passwd", "..", 7):
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    # a plain name in the directory that is a link to a file outside it
+    os.symlink(tmp_path / "outside.safetensors", tmp_path / "m" / "linked.safetensors")
+    for target in ("../outside.safetensors", "/etc/passwd", "etc/passwd", "..", 7, "linked.safetensors"):
         (tmp_path / "m" / "index.json").write_text(json.dumps({"weight_map": {"w": target}}))
         with pytest.raises(HFConfigError) as e:
             read_index(str(tmp_path / "m" / "index.json"), str(tmp_path / "m"))
