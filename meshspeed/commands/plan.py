@@ -82,13 +82,22 @@ def _world(args, cfg) -> int:
 
 def calibrate(args) -> int:
     import dataclasses
+    import statistics
 
     from meshspeed.comm import cost_model
     from meshspeed.plan.machine import MACHINES, measure_matmul_tflops, save_calibration
 
     tflops = measure_matmul_tflops()
     links = cost_model.load("gloo")
-    a, beta, _ = links.values["native.intra"]
+    # `bench comm` fits each collective on its own ("native:all_gather.intra", ...); the machine
+    # has one intra-node link, so take the median of those fits. Without a fit: the defaults.
+    fitted = sorted(
+        v[:2] for k, v in links.values.items() if k.startswith("native:") and k.endswith(".intra")
+    )
+    if fitted:
+        a, beta = statistics.median(f[0] for f in fitted), statistics.median(f[1] for f in fitted)
+    else:
+        a, beta, _ = links.values["native.intra"]
     m = dataclasses.replace(
         MACHINES["cpu"],
         name="calibrated",

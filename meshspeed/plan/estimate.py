@@ -46,7 +46,7 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     device's), plus host (bytes in host memory) and saved ({memory feature: device bytes})."""
     t, p = cfg.train, cfg.parallel
     b = BYTES[t.dtype]
-    dp = dims.dp
+    dp = dims.dp * dims.cp  # ZeRO shards over dp × cp: the trainer's dp_cp group (cp ranks hold other tokens)
     grads = params * 4  # the data-parallel gradient buckets are float32 whatever train.dtype is
     if p.zero >= 2:
         grads = -(-grads // dp)
@@ -133,14 +133,15 @@ def _features(cfg, model, dims, params: int, opt, acts, buffers, swapped: float)
     """(optimizer, activations, buffers, host, saved) with the [memory] features applied."""
     m, p, t = cfg.memory, cfg.parallel, cfg.train
     host, saved = 0, {}
-    masters = (params if p.zero == 0 else -(-params // dims.dp)) or 1  # elements of state held
+    shards = dims.dp * dims.cp  # ZeRO's group: dp × cp
+    masters = (params if p.zero == 0 else -(-params // shards)) or 1  # elements of state held
     if m.reuse_fp32_param:  # the masters' high halves are the bf16 parameters themselves
         saved["reuse_fp32_param"] = fp32_reuse_saved_bytes(masters)
         opt -= saved["reuse_fp32_param"]
     if m.offload_optimizer and opt:
         # fp32 gradient buckets of bucket_mb (this rank's 1/dp under ZeRO): two on the device in the step
         per = opt / masters  # state bytes per element
-        bucket = int(p.bucket_mb * 2**20) // 4 // (dims.dp if p.zero >= 1 else 1)
+        bucket = int(p.bucket_mb * 2**20) // 4 // (shards if p.zero >= 1 else 1)
         transient = min(opt, 2 * bucket * per)
         host, buffers = host + opt, buffers + transient
         saved["offload_optimizer"] = opt - transient

@@ -328,6 +328,26 @@ def test_estimate_equals_the_bytes_counted_on_the_rank(tmp_path, row):
     assert bad == []
 
 
+# cp 2 (dp 1): the trainer shards ZeRO's state over the dp × cp group. Only the state is
+# compared: the estimate's activations under cp are 4.3% above the counted bytes here (1,527,168
+# against 1,463,940 per rank), a gap in the ring attention's model still to close.
+CP_ROWS = {
+    "ZeRO-1 cp2": [("parallel.cp", "2"), ("parallel.zero", "1")],
+    "ZeRO-2 cp2": [("parallel.cp", "2"), ("parallel.zero", "2")],
+}
+
+
+@pytest.mark.parametrize("row", list(CP_ROWS))
+def test_zero_state_under_cp_is_sharded_over_dp_times_cp(tmp_path, row):
+    for r in harness.run(2, job_row, str(tmp_path), CP_ROWS[row]):
+        est, got = r["est"], r["got"]
+        assert (est["params"], est["grads"], est["optimizer"]) == (
+            got["params"],
+            got["grads"],
+            got["optimizer"],
+        ), row
+
+
 PP = [("parallel.pp", "2"), ("train.global_batch_size", str(4 * MB))]  # dp 1: 4 micro-batches
 PP_ROWS = {
     "pp2 1f1b": PP,

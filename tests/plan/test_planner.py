@@ -151,3 +151,29 @@ def test_bad_arguments_are_one_line(capsys, argv, needle):
     assert main(["plan", "--nproc", "4", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and err.count("\n") == 0
+
+
+def test_calibrate_takes_the_links_bench_comm_fitted(tmp_path, monkeypatch, capsys):
+    """`bench comm` stores one fit per collective; --calibrate's machine takes their median, not
+    the built-in defaults it read before (30 µs and 2.5 GB/s whatever was measured)."""
+    from meshspeed.plan import machine
+
+    fits = {  # (α s, β s/B, γ): medians α 1.2 ms, β 5e-9 s/B (0.2 GB/s)
+        "native:all_gather.intra": [1.7e-3, 4e-9, 0.0],
+        "native:all_reduce.intra": [1.4e-3, 3e-9, 0.0],
+        "native:reduce_scatter.intra": [1.2e-3, 5e-9, 0.0],
+        "native:all_to_all.intra": [1.0e-3, 6e-9, 0.0],
+        "native:broadcast.intra": [0.6e-3, 7e-9, 0.0],
+        "p2p.intra": [9e-3, 9e-9, 0.0],  # point to point is not the collectives' link
+    }
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps({"gloo": {"values": fits, "source": "test"}}))
+    monkeypatch.setenv("MESHSPEED_LINK_PARAMS", str(links))
+    monkeypatch.setenv("MESHSPEED_MACHINE", str(tmp_path / "machine.json"))
+    monkeypatch.setattr(machine, "measure_matmul_tflops", lambda: 0.02)
+    assert main(["plan", "--calibrate"]) == 0
+    m = machine.get_machine("calibrated")
+    assert m.alpha_us == pytest.approx(1200.0)
+    assert m.intra_gbs == pytest.approx(0.2)
+    assert m.peak_tflops == pytest.approx(0.02)
+    assert "α 1200 µs, 0.20 GB/s" in capsys.readouterr().out
