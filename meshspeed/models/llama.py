@@ -171,7 +171,7 @@ class Transformer(nn.Module):
         # are left empty: arithmetic there runs torch's Python meta kernels, whose first use
         # imports dynamo (2.5 s per process on 2 CPU cores) to compute nothing.
         if torch.empty(0).is_meta:
-            cos = sin = torch.empty(config.max_seq_len, config.head_dim // 2)
+            cos, sin = (torch.empty(config.max_seq_len, config.head_dim // 2) for _ in range(2))
         else:
             cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, head_dim // 2]
