@@ -21,14 +21,13 @@ memory the run plan estimates when it does not fit, or the setting the planner d
 Reported MFU is the source's, against the dense bf16 peak (989 TFLOP/s); where a source gives
 model TFLOP/s per GPU (marked †) it is that over the peak, and where it gives tokens/s per GPU
 only (marked *), it is converted with meshspeed's FLOP count
-(models/flops.py, the same 6N + 12·L·H·Q·T convention as the sources). The schedule
-simulations are memoised for the process (memoise_schedules: same results, computed once); even
-so a row at thousands of GPUs takes minutes of CPU.
+(models/flops.py, the same 6N + 12·L·H·Q·T convention as the sources). The run plan keeps each
+schedule simulation for the process (plan/schedule.py); even so a row at thousands of GPUs takes
+minutes of CPU.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import re
 import sys
@@ -37,7 +36,6 @@ import time
 from benchmarks.harness import parser, require_positive
 from meshspeed.models import presets
 from meshspeed.models.flops import flops_per_token, param_count
-from meshspeed.parallel.pipeline import analysis
 from meshspeed.plan import config
 from meshspeed.plan.machine import get_machine
 from meshspeed.plan.planner import LADDER, evaluate, rank_layouts, why_lost
@@ -190,15 +188,6 @@ KEYS = {
     "mbs": "train.micro_batch_size",
 }
 
-
-def memoise_schedules() -> None:
-    """The run plan simulates the pipeline schedule on every call (plan/schedule.py imports
-    analysis.evaluate at call time), so the planner simulates the same (schedule, pp, vpp,
-    micro-batches) once per memory rung and micro-batch size; at thousands of GPUs that is hours
-    on a small CPU. The simulation is a pure function of those four numbers (default costs), so
-    this process keeps each result: the same numbers, computed once."""
-    if not hasattr(analysis.evaluate, "cache_info"):
-        analysis.evaluate = functools.lru_cache(maxsize=None)(analysis.evaluate)
 
 
 def register_shapes() -> set[str]:
@@ -364,7 +353,6 @@ def main() -> int:
     args = p.parse_args()
     require_positive(p, args, "top")
     registered = register_shapes()
-    memoise_schedules()
     rows = [r for r in PUBLISHED if args.only.lower() in f"{r['run']} {r['preset']}".lower()]
     if not rows:
         p.error(f"--only {args.only!r} matches no run")

@@ -4,9 +4,21 @@ meshspeed.train.pipeline."""
 
 from __future__ import annotations
 
+import functools
+
 from meshspeed.comm import ConfigError
 from meshspeed.parallel.pipeline.actions import ScheduleError
 from meshspeed.parallel.pipeline.schedules import get_schedule
+
+
+@functools.cache
+def _simulated(name: str, pp: int, vpp: int, microbatches: int):
+    """The schedule's simulation at default costs: a pure function of these four numbers, which
+    the planner asks for once per memory rung and micro-batch size (hours at thousands of GPUs
+    on a small CPU when each call simulates again). Callers only read the result."""
+    from meshspeed.parallel.pipeline.analysis import evaluate
+
+    return evaluate(name, pp, vpp, microbatches)
 
 
 def check(cfg, recipe, microbatches: int):
@@ -14,7 +26,6 @@ def check(cfg, recipe, microbatches: int):
     the run plan: schedule vs vpp, micro-batches the schedule needs, the stage layout (layers vs
     pp*vpp, empty stages). Returns (stage layouts, the schedule's simulation), or ([], None)
     without pipeline parallelism."""
-    from meshspeed.parallel.pipeline.analysis import evaluate
     from meshspeed.parallel.pipeline.stage import stage_layouts
 
     p = cfg.parallel
@@ -40,7 +51,7 @@ def check(cfg, recipe, microbatches: int):
                 f"runs one model chunk per rank but parallel.vpp={p.vpp}; use --parallel.vpp 1 or "
                 f"--parallel.pp_schedule interleaved"
             )
-        sim = evaluate(p.pp_schedule, p.pp, p.vpp, microbatches)
+        sim = _simulated(p.pp_schedule, p.pp, p.vpp, microbatches)
     except ScheduleError as e:
         hint = f"; e.g. train.global_batch_size={e.microbatches * per}" if e.microbatches else ""
         raise ConfigError(
