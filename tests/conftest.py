@@ -1,8 +1,5 @@
 """Session-wide test settings."""
 
-import inspect
-import re
-
 import pytest
 import torch
 
@@ -11,31 +8,12 @@ import torch
 torch.set_num_threads(1)
 
 
-_USES_POOLS: dict[str, bool] = {}
-_LAUNCHES = re.compile(r"subprocess|procs\.|cli_batch|sys\.executable")
-
-
-def _launches(item) -> bool:
-    """The test's own body starts processes (a launched CLI run): no pool job runs meanwhile."""
-    try:
-        return bool(_LAUNCHES.search(inspect.getsource(item.function)))
-    except (AttributeError, OSError, TypeError):
-        return False
-
-
 def pytest_runtest_setup(item):
-    # Idle worker pools burn CPU (each gloo group's loop thread wakes about 1.6% of a core, and
-    # a worker holds dozens): before a test of a file that never runs a job on them, or a test
-    # that launches processes itself, every pool is stopped; otherwise those no test has used
-    # lately. Measured: with the comm tests' pools left alive, the first launched-checkpoint
-    # test took 204 s, and 75 s with them stopped.
+    # Pools live across files (an idle worker costs about 1% of a core: see tests/harness.py);
+    # only those no test has used for a long while are stopped, to give their memory back.
     from tests import harness
 
-    path = str(item.path)
-    if path not in _USES_POOLS:
-        with open(path) as f:
-            _USES_POOLS[path] = "harness" in f.read()
-    harness.stop_idle_pools(everything=not _USES_POOLS[path] or _launches(item))
+    harness.stop_idle_pools()
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects

@@ -23,23 +23,18 @@ from meshspeed.comm.launch import free_port, worker_env
 TEST_COMM_TIMEOUT_S = 20.0
 DEFAULT_JOB_TIMEOUT_S = 90.0
 POOL_START_S = 240.0
-# Jobs reuse the groups of the meshes they build (CommContext caches them): building a dp 2 ×
-# tp 2 mesh costs seconds on a busy 2-core machine, and destroying a job's groups to make them
-# again in the next job is not safe under torch 2.13 (seen: the rebuilt mesh's first new_group
-# failed in connectFullMesh, "Connection closed by peer"; a likely cause: torch names DeviceMesh's
-# groups by the count of live groups, so a new one can take a destroyed one's name in the store,
-# with its stale addresses). But every
-# idle gloo group keeps threads polling its sockets, and dozens of them in each of nine workers
-# burn a core (measured: 13% of a core per idle world-4 worker holding 30 groups); so a pool
-# whose workers hold more than this many groups is replaced after its job, and a pool no test has
-# used for IDLE_S (the fault tests run subprocesses for minutes) is stopped until it is needed.
-# Starting the workers is cheap (forked from a server that imported torch once: 0.5 s for four
-# ranks here, against 15-40 s when each rank imported torch itself), but a new pool builds its
-# meshes' groups again, which is not: at IDLE_S = 30 the pools stopped between files and
-# test_context.py took 268 s instead of 171. IDLE_S spans the gaps between a file's world sizes
-# and between neighbouring files that use the same ones.
-MAX_GROUPS = 32
-IDLE_S = 150.0
+# Jobs reuse the groups of the meshes they build (CommContext caches them): destroying a job's
+# groups to make them again in the next job is not safe under torch 2.13 (seen: the rebuilt
+# mesh's first new_group failed in connectFullMesh, "Connection closed by peer"; a likely cause:
+# torch names DeviceMesh's groups by the count of live groups, so a new one can take a destroyed
+# one's name in the store, with its stale addresses). Idle groups once cost a core (torch gives
+# each gloo group a transport thread polling every 10 ms: 13% of a core per world-4 worker
+# holding 30 groups); meshspeed's groups now share one (comm/gloo_transport.py) and an idle
+# worker costs about 1% of a core, so pools live for the session. A pool whose workers hold more
+# than MAX_GROUPS groups is still replaced after its job (each group keeps sockets and two
+# threads), and one no test has used for IDLE_S is stopped.
+MAX_GROUPS = 128
+IDLE_S = 600.0
 
 
 def _process_groups() -> int:
@@ -88,7 +83,12 @@ def _context():
     mctx = mp.get_context("forkserver")
     # torch's import starts no thread and no device runtime, so forking after it is safe (the
     # path torch's own DataLoader workers take); each worker then builds its own gloo groups
-    mctx.set_forkserver_preload(["torch", "torch.distributed", "meshspeed.comm", "tests.harness"])
+    # (and what nearly every test module pulls in: DTensor, DCP and the trainer, 4 s of CPU per
+    # worker otherwise, paid again by each of a pool's ranks whenever a pool starts)
+    mctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "meshspeed.comm", "tests.harness", "pytest",
+         "torch.distributed.tensor", "torch.distributed.checkpoint", "meshspeed.train.trainer"]
+    )
     return mctx
 
 

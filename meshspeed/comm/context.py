@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import meshspeed.comm.cost_model as cost_model
 import meshspeed.comm.desync as desync
+import meshspeed.comm.gloo_transport as gloo_transport
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.group import Group
 from meshspeed.comm.trace import FlightRecorder
@@ -202,7 +203,10 @@ class CommContext:
             key = (label, tuple(ranks))
             group = self._groups.get(key)
             if group is None:
-                pg = dist.new_group(ranks, timeout=self.group_timeout) if len(ranks) > 1 else None
+                pg = None
+                if len(ranks) > 1:
+                    with gloo_transport.shared(self.backend):
+                        pg = dist.new_group(ranks, timeout=self.group_timeout)
                 if self.rank in ranks:
                     group = Group(
                         self, pg, ranks, f"{label}[{_compact(ranks)}]", self.group_timeout.total_seconds()
@@ -355,9 +359,11 @@ def init(
             # group made later (see CommContext.split and Mesh), so the fast path can wait
             # without one; either way the timeout is diagnosed by meshspeed (names the missing
             # ranks). A context asking for a shorter timeout later waits explicitly.
-            dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-            )
+            with gloo_transport.shared(backend):  # every group meshspeed makes polls one device
+                dist.init_process_group(
+                    backend, store=store, rank=rank, world_size=world_size,
+                    timeout=timedelta(seconds=timeout_s),
+                )
             backend_timeout_s = timeout_s
         else:  # someone else initialised torch.distributed; adopt their default group
             rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import meshspeed.comm.gloo_transport as gloo_transport
 from meshspeed.comm.context import CommContext
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.group import Group
@@ -211,12 +212,13 @@ class Mesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         override, timeouts = _timeout_overrides(dims, ctx)
-        self.device_mesh = init_device_mesh(
-            ctx.device.type,
-            tuple(getattr(dims, d) for d in MESH_DIMS),
-            mesh_dim_names=MESH_DIMS,
-            backend_override=override,
-        )
+        with gloo_transport.shared(ctx.backend):
+            self.device_mesh = init_device_mesh(
+                ctx.device.type,
+                tuple(getattr(dims, d) for d in MESH_DIMS),
+                mesh_dim_names=MESH_DIMS,
+                backend_override=override,
+            )
         for name in MESH_DIMS:
             mine = next(r for r in parts[name] if ctx.rank in r)
             self._groups[name] = (
