@@ -16,10 +16,11 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
+
+from tests import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +35,7 @@ class CliResult:
 def run_many(argvs: list[list[str]], cwd, timeout: float = 180, env: dict | None = None) -> list[CliResult]:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run(
+    out = warm.run(
         [sys.executable, "-m", "tests.cli_batch"],
         input=json.dumps(argvs),
         capture_output=True,

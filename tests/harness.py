@@ -77,7 +77,7 @@ def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
     ctx.close()
 
 
-def _context():
+def context():
     """Workers are forked from a server that imported torch and meshspeed once: a spawned worker
     imports them itself (~7 s of CPU each here), and a pool start cost a world-4 job ~15-40 s."""
     mctx = mp.get_context("forkserver")
@@ -94,7 +94,7 @@ def _context():
 
 class Pool:
     def __init__(self, ws: int):
-        mctx = _context()
+        mctx = context()
         self.ws = ws
         self.outq = mctx.Queue()
         self.inqs = [mctx.Queue() for _ in range(ws)]

@@ -18,6 +18,7 @@ from benchmarks import harness, peers
 from meshspeed import comm
 from meshspeed.models import cross_entropy_loss
 from tests import harness as pool
+from tests import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +45,7 @@ def _bench(script: str, args: list, cwd, timeout: int = 300) -> subprocess.Compl
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    return warm.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
 # ------------------------------------------------------------------------------ harness and peers

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests import cli_batch
+from tests import cli_batch, warm
 
 KEYS = {
     "op",
@@ -34,7 +33,7 @@ def _env(tmp_path):
 
 
 def _run(args, tmp_path, timeout=240):
-    return subprocess.run(
+    return warm.run(
         args, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout, cwd=tmp_path
     )
 

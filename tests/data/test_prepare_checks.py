@@ -5,7 +5,6 @@ prepare a directory of text with a Hugging Face tokenizer, then train on it."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,7 @@ from meshspeed.comm import launch
 from meshspeed.data import loader as data_mod
 from meshspeed.data.loader import DataError, check_token_data
 from meshspeed.data.prepare import prepare_tokens
-from tests import cli_batch
+from tests import cli_batch, warm
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "."]
 SMALL = ["--train.seq_len", "16", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
@@ -116,7 +115,7 @@ def test_id_beyond_the_vocabulary_stops_training_in_one_line(tmp_path, capsys, n
 
 
 def _train(args, cwd):
-    return subprocess.run(
+    return warm.run(
         [sys.executable, "-m", "meshspeed", *args],
         capture_output=True,
         text=True,

@@ -21,6 +21,7 @@ import torch
 from meshspeed.data.corpus import read_sidecar
 from meshspeed.data.loader import DataError, check_token_data
 from meshspeed.data.prepare import prepare_tokens
+from tests import warm
 from tests.cli_batch import ROOT, run_many
 from tests.faults.procs import env
 
@@ -122,7 +123,7 @@ def test_sigkill_mid_prepare_leaves_the_previous_pair_whole(tmp_path):
     before = (_sha(out), _sha(str(out) + ".json"))
     seen = set(os.listdir(tmp_path))
     cmd = [sys.executable, "-m", "meshspeed", "data", "prepare", "--input", str(big), "--out", str(out)]
-    proc = subprocess.Popen(
+    proc = warm.popen(
         cmd + ["--workers", "1"], env={**env(), "PYTHONPATH": ROOT}, cwd=tmp_path,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from tests import warm
+
 # A tiny run that starts in seconds: 32-token sequences, one micro-batch per rank per step.
 FAST = [
     "--train.seq_len",
@@ -109,7 +111,7 @@ class Job:
                 *args,
             ]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(
+            self.proc = warm.popen(
                 cmd,
                 stdout=out,
                 stderr=err,
@@ -139,7 +141,9 @@ class Job:
             found = [
                 p
                 for p in children(self.proc.pid)
-                if "spawn_main" in cmdline(p) or " meshspeed train" in cmdline(p)
+                # spawned; forked from the launcher (its command line); or forked from a launcher
+                # that tests/warm.py forked from the fork server (the server's command line)
+                if any(k in cmdline(p) for k in ("spawn_main", " meshspeed train", "forkserver import main"))
             ]
             if len(found) == n:
                 self.seen.update(found)

@@ -26,6 +26,7 @@ from meshspeed.checkpoint.dirs import prune
 from meshspeed.comm import checkpoint_io
 from meshspeed.plan import config
 from meshspeed.train.job import prepare_run_dir
+from tests import warm
 from tests.faults.procs import FAST, env, metrics
 
 RUN2 = FAST + ["--nproc", "2", "--parallel.tp", "2", "--checkpoint.interval", "2"]
@@ -35,7 +36,7 @@ RUN2 = FAST + ["--nproc", "2", "--parallel.tp", "2", "--checkpoint.interval", "2
 def trained(tmp_path_factory):
     """A finished 4-step run (tp 2) with checkpoints at steps 2 and 4."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    out = subprocess.run(
+    out = warm.run(
         [sys.executable, "-m", "meshspeed", "train", *RUN2, "--train.steps", "4", "--run.dir", str(run)],
         env=env(),
         capture_output=True,
@@ -99,7 +100,7 @@ def test_resume_on_other_data_is_refused_in_one_line(start, trained, tmp_path):
 
 def test_new_run_in_used_run_dir_is_refused_with_one_line(trained, tmp_path):
     run = _copy(trained, tmp_path)
-    out = subprocess.run(
+    out = warm.run(
         [sys.executable, "-m", "meshspeed", "train", *RUN2, "--run.dir", str(run)],
         env=env(),
         capture_output=True,

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from tests import warm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -20,7 +22,7 @@ def _run(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return warm.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 @pytest.mark.skipif(

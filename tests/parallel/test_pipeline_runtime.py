@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,7 +25,7 @@ from meshspeed.parallel.pipeline.stage import build_stages, stage_layouts
 from meshspeed.plan import config
 from meshspeed.plan.run_plan import make_plan
 from meshspeed.train.trainer import Trainer
-from tests import harness
+from tests import harness, warm
 
 MODEL = dict(n_layers=8, dim=32, n_heads=4, n_kv_heads=2)  # 8 layers: pp 4 × vpp 2 divides
 MICRO, SEQ, M = 2, 16, 4  # micro-batch rows, sequence length, microbatches per step
@@ -259,7 +258,7 @@ def test_tied_embeddings_are_refused_for_pp():
 
 
 def test_cli_bad_pipeline_setting_is_one_line(tmp_path):
-    out = subprocess.run(
+    out = warm.run(
         [
             sys.executable,
             "-m",

@@ -17,6 +17,7 @@ from meshspeed.models import get_preset, preset_names
 from meshspeed.models.flops import param_count
 from meshspeed.plan import config
 from meshspeed.plan.run_plan import make_plan
+from tests import warm
 
 SMALL = ["--train.seq_len", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]
 
@@ -220,7 +221,7 @@ def test_the_run_records_its_plan_in_meta_json(tmp_path):
     """A real run (one spawned worker): meta.json of its checkpoint holds the resolved plan."""
     run = tmp_path / "run"
     args = ["--nproc", "1", "--parallel.tp", "1", "--train.steps", "1", "--data.max_mb", "0.2"]
-    out = subprocess.run(
+    out = warm.run(
         [sys.executable, "-m", "meshspeed", "train", *SMALL, *args, "--run.dir", str(run)],
         capture_output=True,
         text=True,

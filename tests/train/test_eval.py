@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
+from tests import warm
+
 RUN = ["--train.seq_len", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]
 RUN += ["--data.max_mb", "0.3", "--train.eval_batches", "2", "--model.n_kv_heads", "4"]
 
 
 def _ms(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return warm.run(
         [sys.executable, "-m", "meshspeed", *args], capture_output=True, text=True, timeout=300, cwd=cwd
     )
 

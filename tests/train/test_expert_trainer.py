@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests import harness
+from tests import harness, warm
 from tests.train.test_trainer import job_losses, job_run
 
 MOE = [("model.preset", "tiny-moe"), ("parallel.tp", "1"), ("model.n_kv_heads", "2")]
@@ -127,7 +126,7 @@ def test_cli_first_ten_losses_at_ep_2_and_4_equal_one_process(tmp_path):
         "ep4": ["--parallel.ep", "4"],
     }.items():
         d = tmp_path / name
-        out = subprocess.run(
+        out = warm.run(
             [sys.executable, "-m", "meshspeed", "train", *common, *args, "--run.dir", str(d)],
             capture_output=True,
             text=True,
