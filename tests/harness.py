@@ -83,11 +83,13 @@ def context():
     mctx = mp.get_context("forkserver")
     # torch's import starts no thread and no device runtime, so forking after it is safe (the
     # path torch's own DataLoader workers take); each worker then builds its own gloo groups
-    # (and what nearly every test module pulls in: DTensor, DCP and the trainer, 4 s of CPU per
-    # worker otherwise, paid again by each of a pool's ranks whenever a pool starts)
+    # (and what nearly every test module and launched command pulls in: DTensor, DCP, the
+    # trainer and matplotlib for its loss curve, 4-7 s of CPU per process otherwise, paid again
+    # by each rank of each new pool and by each command tests/warm.py starts)
     mctx.set_forkserver_preload(
         ["torch", "torch.distributed", "meshspeed.comm", "tests.harness", "pytest",
-         "torch.distributed.tensor", "torch.distributed.checkpoint", "meshspeed.train.trainer"]
+         "torch.distributed.tensor", "torch.distributed.checkpoint", "meshspeed.train.trainer",
+         "meshspeed.cli", "matplotlib.figure", "matplotlib.backends.backend_agg"]
     )
     return mctx
 

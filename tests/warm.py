@@ -12,7 +12,7 @@ and session, so signals, process-tree checks, locks and files behave as for any 
 What it does not cover is the interpreter's start itself (`__main__`'s environment set before
 torch is imported, the import-time behaviour of a cold process): tests of that keep a real
 `subprocess` (`run(..., cold=True)`, and torchrun or any other module, which always start
-cold). Only `-m meshspeed`, `-m benchmarks.*` and `-m tests.cli_batch` start warm.
+cold). Only `-m meshspeed`, `-m benchmarks.*` and WARM_MODULES start warm.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from tests import harness
 
 # modules a command line may run warm: the CLI, the benchmarks, the tests' batch of CLI lines
-WARM_MODULES = ("meshspeed", "tests.cli_batch")
+WARM_MODULES = ("meshspeed", "tests.cli_batch", "tests.sleeper")
 WARM_PACKAGES = ("benchmarks.",)
 
 
@@ -125,6 +125,15 @@ class Proc:
         self._proc.start()
         self.pid = self._proc.pid
         self.returncode = None
+        if start_new_session:  # as Popen returns: the child already leads its own session
+            deadline = time.monotonic() + 30
+            while self.poll() is None and time.monotonic() < deadline:
+                try:
+                    if os.getpgid(self.pid) == self.pid:
+                        break
+                except ProcessLookupError:
+                    break
+                time.sleep(0.005)
 
     def poll(self):
         if self.returncode is None and self._proc.exitcode is not None:
