@@ -25,9 +25,9 @@ Hot experts brought to the data (moe.replicate_hot): the same ep layer with a ro
 choices are drawn from a Zipf(--zipf) law over the experts (fixed per rank, so every row sees
 the same routing; the combine weights still come from the gate), without copies and with K =
 --hot. Printed: max/mean rows computed per rank (counted on the experts' forward, copies
-included), all-to-all bytes over all ranks (tokens, plus the weights out and their gradients
-back), expert weight bytes moved, the step's time (median and range over --steps) and whether
-the outputs agree.
+included), token all-to-all bytes over all ranks (dispatch and combine, both directions),
+expert weight bytes moved (the copies out and their gradients back), the step's time (median
+and range over --steps) and whether the outputs agree.
 
 Pipeline rows (--pp-ep E, 0 = skip): a second job of 2 × E ranks, pp 2 × dp E with ep E, a
 tiny MoE model (--pp-layers, --pp-dim) through 1F1B, DualPipeV, and DualPipeV with the
@@ -88,6 +88,7 @@ def worker(args, out_path: str) -> None:
     ctx = comm.init("gloo")
     counter = A2ABytes()
     C.all_to_all = counter.wrap(C.all_to_all)
+    comm.all_to_all = C.all_to_all  # the layer's posted exchanges call it by this name
     config = ModelConfig(
         dim=args.dim, n_layers=1, n_heads=4, vocab_size=32, n_experts=args.experts, top_k=args.k,
         moe_ffn_hidden=args.hidden, moe_impl="loop", n_shared_experts=args.shared,
@@ -258,13 +259,14 @@ def report_hot(res: dict) -> None:
         f"hot experts to the data, Zipf({a['zipf']}) routing over {a['experts']} experts, top {a['k']}, "
         f"ep={res['ep']}, median [min-max] of {a['steps']} steps (fwd+bwd)"
     )
-    head = f"{'layout':<16}{'step s':>22}{'max/mean rows':>15}"
-    print(f"{head}{'a2a MB, all ranks':>19}{'weights MB moved':>18}")
+    head = f"{'layout':<20}{'step s':>24}{'max/mean rows':>15}"
+    print(f"{head}{'token a2a MB, all ranks':>25}{'weights MB moved':>18}")
     for k in (0, a["hot"]):
         r, name = h[str(k)], "ep" if not k else f"ep replicate_hot {k}"
         t = f"{r['time'][0]:.4f} [{r['time'][1]:.4f}-{r['time'][2]:.4f}]"
-        mb = f"{r['a2a_bytes'] / 1e6:>19.3f}{r['weight_bytes'] / 1e6:>18.3f}"
-        print(f"{name:<16}{t:>22}{r['max_mean']:>15.3f}{mb}")
+        # the counter saw the weights' exchanges too (all to other ranks): tokens are the rest
+        mb = f"{(r['a2a_bytes'] - r['weight_bytes']) / 1e6:>25.3f}{r['weight_bytes'] / 1e6:>18.3f}"
+        print(f"{name:<20}{t:>24}{r['max_mean']:>15.3f}{mb}")
     hot = h[str(a["hot"])]
     print(
         f"rows per rank: {h['0']['rows']} without copies, {hot['rows']} with {hot['copies']} copies "

@@ -53,6 +53,7 @@ def worker(args, out: str) -> None:
     for name, overlap in VARIANTS:
         stages = build_stages(
             recipe_for(cfg), mesh, seed=0, placement=get_schedule(name).placement,
+            vpp=2 if get_schedule(name).interleaved else 1,
             transform=lambda model: expert_parallel(model, mesh["ep"]),
         )  # fmt: skip
         moes = [mod for mod in stages.model.modules() if hasattr(mod, "a2a_clock")]

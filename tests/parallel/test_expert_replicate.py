@@ -1,12 +1,13 @@
 """Hot experts brought to the data (moe.replicate_hot): the layer's outputs and gradients equal
 plain expert parallelism's and the single-device layer's, with the copies really made.
 
-Routing is skewed on purpose (positive inputs, the first two experts' gates scaled up): experts
-0 and 1 take most slots and live on member 0, so the copies go to members that own none of the
-hot experts. K runs from 1 to more than there are experts. The plan itself (integers only) is
-checked on hand-made and Zipf-drawn counts; the setting's one-line errors are in
-tests/plan/test_plan.py, the trainer's losses and expert gradient norms in
-tests/train/test_expert_replicate_trainer.py.
+Routing is skewed on purpose (inputs leaning along one direction that the first two experts'
+gates favour): experts 0 and 1 take most slots and live on member 0, so the copies go to
+members that own none of the hot experts; every member routes different counts (a routing
+where all members send the same rows would hide a plan made from one member's counts). K runs
+from 1 to more than there are experts. The plan itself (integers only) is checked on hand-made
+and Zipf-drawn counts; the setting's one-line errors are in tests/plan/test_plan.py, the
+trainer's losses and expert gradient norms in tests/train/test_expert_replicate_trainer.py.
 """
 
 from __future__ import annotations
@@ -26,13 +27,19 @@ from tests.parallel.test_expert import DIM, TOKENS, _close, _config, _layer
 HIDDEN = 10  # _config's moe_ffn_hidden
 
 
-def _skewed(config, hot: int = 2, scale: float = 3.0):
+def _skewed(config):
     moe = _layer(config)
-    with torch.no_grad():
-        g = moe.router.gate.weight
-        g.copy_(g.abs() + 0.05)
-        g[:hot] *= scale  # with positive inputs these experts win most top-k slots
+    with torch.no_grad():  # inputs lean along dim 0 (_inputs), and experts 0 and 1 favour it
+        moe.router.gate.weight[:2, 0] += torch.tensor([2.0, 1.2])
     return moe
+
+
+def _inputs(rows: int) -> torch.Tensor:
+    """Routing skewed, not degenerate: every member routes a different count to each expert
+    (ep 4: [7, 10, 3, 2, 1, 0, 1, 0], [8, 8, 6, 0, 1, 1, 0, 0], ...)."""
+    x = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(11))
+    x[:, 0] += 1.5
+    return x
 
 
 def _run(layer, x, probe):
@@ -47,7 +54,7 @@ def job_replicate(ctx, n_experts: int, top_k: int, ks: list[int]) -> list[str]:
     p, r = g.size, g.rank
     config = _config(n_experts, top_k, 1)
     ref = _skewed(config)
-    x_all = torch.randn(p * TOKENS, DIM, generator=torch.Generator().manual_seed(11)).abs()
+    x_all = _inputs(p * TOKENS)
     probe = torch.randn(p * TOKENS, DIM, generator=torch.Generator().manual_seed(12))
     rows = slice(r * TOKENS, (r + 1) * TOKENS)
     xr = x_all.clone().requires_grad_()
@@ -85,9 +92,9 @@ def job_replicate(ctx, n_experts: int, top_k: int, ks: list[int]) -> list[str]:
         before, after = rep.imbalance
         if not rep.entries or not after < before:
             bad.append(f"{what}: no copy made or no balance gained: {rep.entries} {before} -> {after}")
-        owners = {o for _, o, _ in rep.entries}
-        if not any(s not in owners for _, _, s in rep.entries):
-            bad.append(f"{what}: no copy went to a member owning none of the hot experts: {rep.entries}")
+        blocks = chunk_bounds(n_experts, p)  # experts 0 and 1, the hot ones, are member 0's
+        if not any(e < 2 and blocks[s] >= 2 for e, _, s in rep.entries):
+            bad.append(f"{what}: no hot expert copied to a member owning none of them: {rep.entries}")
         if rep.weight_bytes != len(rep.entries) * 3 * HIDDEN * DIM * 4:
             bad.append(f"{what}: weight bytes {rep.weight_bytes} for {len(rep.entries)} copies")
         if layer.replication.weight_bytes != rep.weight_bytes:  # what the metrics row reports
