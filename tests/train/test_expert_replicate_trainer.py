@@ -43,13 +43,14 @@ def _close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * abs(b)
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_replicate_hot_equals_plain_expert_parallelism(tmp_path, ep):
-    layout = MOE + NO_BALANCE + [("parallel.ep", str(ep))]
-    plain = harness.run(ep, job_expert_rows, str(tmp_path / "plain"), layout, STEPS)
+@pytest.mark.parametrize("ep,pp", [(2, 1), (4, 1), (2, 2)], ids=["ep2", "ep4", "ep2-pp2"])
+def test_replicate_hot_equals_plain_expert_parallelism(tmp_path, ep, pp):
+    layout = MOE + NO_BALANCE + [("parallel.ep", str(ep)), ("parallel.pp", str(pp))]
+    ws = ep * pp
+    plain = harness.run(ws, job_expert_rows, str(tmp_path / "plain"), layout, STEPS)
     # K = 3 of 4 experts at ep 2 (each rank owns 2), K = 8 > 4 experts at ep 4 (each owns 1)
     k = "3" if ep == 2 else "8"
-    hot = harness.run(ep, job_expert_rows, str(tmp_path / "hot"), layout + [("moe.replicate_hot", k)], STEPS)
+    hot = harness.run(ws, job_expert_rows, str(tmp_path / "hot"), layout + [("moe.replicate_hot", k)], STEPS)
     for rank, ((l0, n0, _), (l1, n1, rows)) in enumerate(zip(plain, hot)):
         assert all(_close(a, b, 1e-5) for a, b in zip(l1, l0)), f"rank {rank} losses {l1} vs plain {l0}"
         for step, (got, want) in enumerate(zip(n1, n0)):
