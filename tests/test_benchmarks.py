@@ -144,9 +144,17 @@ def test_build_memory_benchmark_runs(tmp_path):
 @pytest.mark.slow
 def test_moe_benchmark_runs():
     args = ["--ep", 2, "--dim", 32, "--hidden", 64, "--tokens", 64, "--steps", 1]
+    args += ["--pp-ep", 2, "--pp-dim", 32, "--pp-seq", 16]
     out = _bench("moe.py", args, ROOT, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
-    for line in ("ep a2a serial", "shared-expert overlap (2 shared)", "torch._grouped_mm"):
+    for line in (
+        "ep a2a serial",
+        "shared-expert overlap (2 shared)",
+        "torch._grouped_mm",
+        "ep replicate_hot 4",
+        "dualpipev overlap",
+        "all-to-all time hidden by the overlap",
+    ):
         assert line in out.stdout, out.stdout
 
 

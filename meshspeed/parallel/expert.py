@@ -33,6 +33,7 @@ from meshspeed import comm
 from meshspeed.comm.placement import Shard, shard_parameter, sharding_of
 
 from . import expert_comm as xc
+from . import expert_replicate as xr
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -66,6 +67,8 @@ class ExpertParallelMoE(nn.Module):
         self.overlap_shared = True
         self.bounds = xc.expert_bounds(n_experts, group.size)
         self.a2a_clock = xc.WaitClock()  # time blocked on this layer's exchanges (benchmarks)
+        # moe.replicate_hot: copy hot experts onto the members routing to them (expert_replicate.py)
+        self.replicate_hot, self.last_replicas, self.replication = 0, None, xr.ReplicationStats()
         self.load_balance_loss = self.z_loss = self.tokens_per_expert = self.step_counts = None
         # Reuse the single-device layer's loss bookkeeping (same formulas, this member's tokens).
         self._record_router = moe._record_router.__func__.__get__(self)
@@ -88,10 +91,14 @@ class ExpertParallelMoE(nn.Module):
 
     def _alltoall(self, x, weights, experts, counts) -> torch.Tensor:
         n_tokens, k = experts.shape
-        order = experts.flatten().argsort(stable=True)  # [tokens*k] slots sorted by expert
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # [tokens*k] slots sorted by expert
         if self.capacity_factor is not None:
-            order, counts = self._drop_overflow(order, experts.flatten(), counts, n_tokens * k)
+            order, counts = self._drop_overflow(order, flat, counts, n_tokens * k)
         all_counts = xc.exchange_counts(counts, self.group)  # [ep, E]
+        order, local, copies = self._copies(all_counts, order, flat, counts)
+        if copies is not None:
+            all_counts = self.last_replicas.counts  # the copied runs are not dispatched
         send, recv, runs = xc.splits(all_counts, self.bounds, self.group.rank)
         # Slots sorted by expert are already grouped by destination member (experts are blocks).
         rows, shared = x[order // k], None
@@ -110,7 +117,13 @@ class ExpertParallelMoE(nn.Module):
         y = self.experts(received[perm], runs.sum(0))  # [recv_total, dim], expert-major
         y = y[_inverse(perm)]  # back to source-major, as received
         if self.group.size > 1:  # [kept slots, dim] in `order`
-            y_sorted = xc.land(xc.launch(y, self.group, recv, send, self.a2a_clock), self.group, recv, send)
+            back = xc.launch(y, self.group, recv, send, self.a2a_clock)
+            if copies is not None:  # the copied runs compute while the combine is in flight
+                order = torch.cat([order, local])
+                mine = self._on_copies(x[local // k], counts, *copies)
+            y_sorted = xc.land(back, self.group, recv, send)
+            if copies is not None:
+                y_sorted = torch.cat([y_sorted, mine])
         else:
             y_sorted = xc.combine(y, self.group, send, recv)
         if self.capacity_factor is None:  # dropless: `order` is a permutation of the slots
@@ -120,6 +133,35 @@ class ExpertParallelMoE(nn.Module):
             y = y_sorted.new_zeros(n_tokens * k, y_sorted.shape[-1]).index_copy(0, order, y_sorted)
         y = y.view(n_tokens, k, -1)
         return (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1), shared
+
+    def _copies(self, all_counts, order, flat, counts):
+        """moe.replicate_hot: plan the copies and post their weights. Returns (slots to
+        dispatch, slots computed here on copies, None or (posted weight exchange, its splits,
+        experts copied here, in slot order))."""
+        if not self.replicate_hot or self.group.size == 1:
+            return order, None, None
+        rep = self.last_replicas = xr.plan(all_counts, self.bounds, self.replicate_hot)
+        posted = None
+        if rep.entries:  # sets rep.weight_bytes
+            posted, (send, recv), here = xr.send_weights(
+                self.experts, rep, self.group, self.bounds, self._launch
+            )
+        if torch.is_grad_enabled():  # the step's metrics count training forwards only
+            self.replication.add(rep)
+        if posted is None:
+            return order, None, None
+        on_copy = torch.isin(flat[order], torch.tensor(here, dtype=flat.dtype, device=flat.device))
+        return order[~on_copy], order[on_copy], (posted, send, recv, here)
+
+    def _launch(self, rows, group, send, recv):
+        return xc.launch(rows, group, send, recv, self.a2a_clock)
+
+    def _on_copies(self, x, counts, posted, send, recv, here):
+        """x [copied slots, dim] sorted by expert -> their expert outputs, on the received copies."""
+        w = xc.land(posted, self.group, send, recv)  # [copies here, numel]
+        if not here:  # an empty slice still ties the exchange into the graph: its backward (the
+            return w[:0, : x.shape[-1]]  # copies' gradients going home) runs on every member
+        return xr.compute_copies(self.experts, w, len(here), x, counts[here])
 
     def _drop_overflow(self, order, flat_experts, counts, n_slots):
         """Keep the first `capacity` slots of each expert in token order (this rank's tokens,

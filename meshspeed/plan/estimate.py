@@ -29,7 +29,10 @@ final norm, output) and two blocks (the one running and the prefetched one), cou
 a block is the rank's parameters less the root's, over n_layers. Under pipeline parallelism the
 stage's parameters are gathered for the whole step (Zero3.held): all of them, in buffers.
 MoE blocks count their router, routed slots (T·k per rank: balanced routing, also under ep)
-and shared experts (`meshspeed.memory.estimate.moe_ffn_bytes`).
+and shared experts (`meshspeed.memory.estimate.moe_ffn_bytes`). With `moe.replicate_hot K` each
+MoE layer in flight also keeps the expert weights copied onto the rank for its backward (at
+most one copy of each of the K hot experts it does not own), and backward holds one layer's
+copies' gradients (buffers).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     )
 
     moe = moe_shape(model)
+    copies = hot_copy_bytes(cfg.moe.replicate_hot, model, dims.ep, b)
 
     def layers_bytes(ids) -> float:
         """Layers `ids` (model layer indices, in order), the first recompute_layers recomputed."""
@@ -89,6 +93,7 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
             layer_activation_bytes(
                 mode=mode if j < chosen else "none", moe=moe if is_moe_layer(model, i) else None, **shape
             )
+            + (copies if is_moe_layer(model, i) else 0)
             for j, i in enumerate(ids)
         )
 
@@ -115,7 +120,9 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
             elem=b,
             chunked=cfg.memory.chunked_loss,
         )
-    buffers = (s * mb * h * b if (tp > 1 and p.sequence_parallel) else 0) + gathered
+    held = [i for st in mine for i in st["layers"]] if mine else range(model.n_layers)
+    copies *= any(is_moe_layer(model, i) for i in held)  # backward: one layer's copies' gradients
+    buffers = (s * mb * h * b if (tp > 1 and p.sequence_parallel) else 0) + gathered + copies
     opt, acts, buffers, host, saved = _features(cfg, model, dims, params, opt, acts, buffers, swapped)
     out = {
         "params": int(param_bytes),
@@ -127,6 +134,15 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     out["total"] = sum(out.values())
     out["host"], out["saved"] = int(host), {k: int(v) for k, v in saved.items()}
     return out
+
+
+def hot_copy_bytes(k: int, model, ep: int, elem: int) -> int:
+    """Expert weights one MoE layer's forward may copy onto a rank under moe.replicate_hot=k
+    (parallel/expert_replicate.py): one copy per hot expert the rank does not own, at most."""
+    n = getattr(model, "n_experts", 0)
+    if not k or not n or ep < 2:
+        return 0
+    return min(k, n - n // ep) * 3 * model.dim * model.moe_ffn_dim * elem
 
 
 def _features(cfg, model, dims, params: int, opt, acts, buffers, swapped: float):

@@ -15,6 +15,7 @@ from torch import nn
 from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.models import ModelConfig
 from meshspeed.parallel.expert import expert_parallel
+from meshspeed.parallel.expert_replicate import setting_problem
 from meshspeed.parallel.expert_tp import expert_tensor_parallel
 
 __all__ = [
@@ -66,6 +67,9 @@ def check_experts(cfg, config: ModelConfig) -> None:
         raise ConfigError(f"moe.bias_update_rate={m.bias_update_rate:g} must be > 0 with moe.balance=bias")
     if m.capacity_factor < 0:
         raise ConfigError(f"moe.capacity_factor={m.capacity_factor:g} must be > 0, or 0 for dropless")
+    ranks = expert_ranks(cfg) if uses_expert_layer(cfg) else 1
+    if problem := setting_problem(m.replicate_hot, ranks, m.capacity_factor, m.dispatcher, p.tp):
+        raise ConfigError(problem)
     if not uses_expert_layer(cfg):
         return
     mode = expert_tp_mode(cfg)
@@ -119,6 +123,7 @@ def apply_expert_parallel(model: nn.Module, mesh, cfg) -> None:
             expert_parallel(model, mesh["ep"], m.dispatcher, m.capacity_factor or None)
         for layer in moe_modules(model):
             layer.overlap_shared = m.overlap_shared
+            layer.replicate_hot = m.replicate_hot
 
 
 def moe_modules(model: nn.Module) -> list[nn.Module]:

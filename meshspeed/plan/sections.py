@@ -351,6 +351,14 @@ class MoeSection:
         "under ep with the alltoall dispatcher, compute the shared experts while the dispatch "
         "all-to-all is in flight (and their backward while its reverse is); same numbers either way",
     )
+    replicate_hot: int = opt(
+        0,
+        "hot experts brought to the data: each MoE layer, each forward, copies the weights of "
+        "experts among the K most loaded onto ep ranks routing many tokens to them, while that "
+        "unloads the busiest rank; those tokens are computed there and the gradients go back to "
+        "the owner before the optimizer step (same numbers; needs ep >= 2, tp = 1, dropless "
+        "alltoall; 0 = off)",
+    )
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""Experts in the training step: the routing bias moved after each optimizer step and the
-per-step expert load. What is decided before the run (checks, the expert-parallel swap) is
-meshspeed.plan.experts; the gradient reduction of expert weights over the expert-data-parallel
-group is DataParallel's (expert buckets, parallel/data.py).
+"""Experts in the training step: the routing bias moved after each optimizer step, the
+per-step expert load and what the hot-expert copies (moe.replicate_hot) balanced and moved.
+What is decided before the run (checks, the expert-parallel swap) is meshspeed.plan.experts; the
+gradient reduction of expert weights over the expert-data-parallel group is DataParallel's
+(expert buckets, parallel/data.py).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.parallel.expert_replicate import METRICS, step_metrics
 from meshspeed.plan.experts import moe_modules
 
-__all__ = ["expert_load", "update_routing_bias"]
+__all__ = ["expert_load", "replication_metrics", "update_routing_bias"]
 
 
 def update_routing_bias(model: nn.Module, group: comm.Group, apply: bool = True) -> None:
@@ -45,3 +47,20 @@ def expert_load(model: nn.Module, group: comm.Group) -> float | None:
         stacked = comm.all_reduce(stacked, group, "sum")
     mean = stacked.mean(dim=1).clamp(min=1.0)
     return float((stacked.max(dim=1).values / mean).max())
+
+
+def replication_metrics(model: nn.Module, pp_group: comm.Group) -> dict:
+    """moe.replicate_hot over the step (parallel/expert_replicate.py), for the metrics row:
+    max/mean routed rows per expert rank before and after the copies (worst layer, all the
+    step's micro-batches), expert weight bytes moved (the copies out and their gradients back)
+    and rows computed on copies, over every pipeline stage (collective over `pp_group`: the
+    ratios' max, the counts' sum). Resets the layers' tallies."""
+    row = step_metrics(moe_modules(model))
+    if pp_group.size > 1:  # each stage holds its own layers
+        dev = next(model.parameters()).device
+        worst = comm.all_reduce(torch.tensor(row[:2], dtype=torch.float64, device=dev), pp_group, "max")
+        total = comm.all_reduce(torch.tensor(row[2:], dtype=torch.float64, device=dev), pp_group, "sum")
+        row = worst.tolist() + total.tolist()
+    out = dict(zip(METRICS, row))
+    out["moe_copy_bytes"], out["moe_rows_kept"] = int(out["moe_copy_bytes"]), int(out["moe_rows_kept"])
+    return out

@@ -42,7 +42,7 @@ from meshspeed.plan import config as config_mod
 from meshspeed.plan.experts import apply_expert_parallel
 from meshspeed.plan.run_plan import RunPlan, make_plan
 from meshspeed.sparse.cuda import invalidate_compressed
-from meshspeed.train.experts import expert_load, update_routing_bias
+from meshspeed.train.experts import expert_load, replication_metrics, update_routing_bias
 from meshspeed.train.metrics import MetricsLogger, lr_at, peak_flops
 from meshspeed.train.model_features import apply_model_features
 from meshspeed.train.pipeline import TrainerPipeline
@@ -328,6 +328,8 @@ class Trainer:
                 load = comm.all_reduce(load, self.mesh["pp"], "max")
                 load = float(load[0])
             row["expert_load"] = load
+            if self.cfg.moe.replicate_hot:  # what the hot-expert copies balanced and moved
+                row.update(replication_metrics(self.model, self.mesh["pp"]))
         if not finite:
             row["skipped"] = True
         return row

@@ -136,6 +136,25 @@ BAD = [
         "memory.swap_activations=true with memory.recompute=selective",
     ),
     (["--memory.swap_layers", "-1"], "memory.swap_layers=-1 must be ≥ 0"),
+    (["--model.preset", "tiny-moe", "--moe.replicate_hot", "-1"], "moe.replicate_hot=-1 must be >= 0"),
+    (
+        ["--model.preset", "tiny-moe", "--moe.replicate_hot", "2"],
+        "moe.replicate_hot=2 needs parallel.ep >= 2",
+    ),
+    (
+        ["--model.preset", "tiny-moe", "--nproc", "2", "--parallel.tp", "1", "--parallel.ep", "2"]
+        + ["--moe.replicate_hot", "2", "--moe.dispatcher", "allgather"],
+        "moe.replicate_hot=2 needs moe.dispatcher=alltoall",
+    ),
+    (
+        ["--model.preset", "tiny-moe", "--nproc", "2", "--parallel.tp", "1", "--parallel.ep", "2"]
+        + ["--moe.replicate_hot", "1", "--moe.capacity_factor", "1"],
+        "moe.replicate_hot=1 needs dropless routing (moe.capacity_factor=0)",
+    ),
+    (
+        ["--model.preset", "tiny-moe", "--nproc", "4", "--parallel.ep", "2", "--moe.replicate_hot", "1"],
+        "moe.replicate_hot=1 needs parallel.tp=1",
+    ),
 ]
 
 
