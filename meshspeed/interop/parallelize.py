@@ -113,12 +113,11 @@ def _custom_recipe(model: nn.Module, blocks: str | None) -> Recipe:
     )
 
 
-def _blocks(model: nn.Module, given: str | None, recipe: Recipe | None) -> str:
-    """ZeRO-3's unit container: given, the recipe's, or the first ModuleList / ModuleDict."""
+def _blocks(model: nn.Module, given: str | None) -> str:
+    """ZeRO-3's unit container: given, or the first ModuleList / ModuleDict holding parameters
+    (`model.layers` of a Hugging Face causal LM)."""
     if given:
         return given
-    if recipe is not None and recipe.pipeline.layers:
-        return recipe.pipeline.layers
     for name, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) and any(True for _ in m.parameters()):
             return name
@@ -164,6 +163,16 @@ def parallelize(
         raise ConfigError("parallelize: this model was parallelized already; pass the single-device model")
     mesh = _mesh(dims, ctx)
     tp = mesh["tp"].size
+    # every check before the first change: a refused model is left as it was
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(dtypes) != 1:
+        raise ConfigError(
+            f"parallelize: the trainable parameters have dtypes {sorted(map(str, dtypes)) or 'none'}; "
+            "give the model one dtype (model.float() or model.to(torch.bfloat16))"
+        )
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
+    units = _blocks(model, blocks) if zero == 3 else None
     # tp = 1 needs no recipe: dp / ZeRO place any module (ZeRO-3's blocks: _blocks finds them)
     recipe = hf_recipe(model, tp, sequence_parallel) if plan is None and tp > 1 else None
     applied, hooks = None, []
@@ -175,12 +184,6 @@ def parallelize(
         applied = model.tp_plan
         if recipe is not None and sequence_parallel:
             hooks = sequence_hooks(model, mesh["tp"])
-    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-    if len(dtypes) != 1:
-        raise ConfigError(
-            f"parallelize: the trainable parameters have dtypes {sorted(map(str, dtypes)) or 'none'}; "
-            "give the model one dtype (model.float() or model.to(torch.bfloat16))"
-        )
     dp, opt = build_data_parallel(
         model,
         mesh,
@@ -192,7 +195,7 @@ def parallelize(
         eps=eps,
         weight_decay=weight_decay,
         no_decay=no_decay or (lambda name, p: False),
-        units=_blocks(model, blocks, recipe) if zero == 3 else None,
+        units=units,
     )
     object.__setattr__(model, ATTR, Parallelized(mesh, dp, applied, sequence_parallel, hooks))
     return model, opt
