@@ -181,7 +181,7 @@ def parallelize(
             raise _unplaced(model, tp)
         r = recipe or _custom_recipe(model, blocks)
         tensor.parallelize(model, mesh, r, sequence_parallel=sequence_parallel, plan=plan)
-        applied = model.tp_plan
+        applied = model.ms_tp_plan
         if recipe is not None and sequence_parallel:
             hooks = sequence_hooks(model, mesh["tp"])
     dp, opt = build_data_parallel(
