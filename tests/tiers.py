@@ -413,13 +413,14 @@ _ENTRIES: list[tuple[str, str]] = [
     # it (seconds per process on 2 cores); CI keeps one such pool (world 2) and the ws 3/4 layouts
     # on a custom module
     (
-        "tests/interop/test_parallelize.py::test_hf_llama_loop_equals_one_process[tp2]",
-        "test_qwen2_tied_tp2_sp_with_biases_equals_one_process (the same inferred plan, with SP)",
+        "tests/interop/test_parallelize.py::test_hf_llama_loop_equals_one_process",
+        "test_qwen2_tied_tp2_sp_with_biases_equals_one_process (the same inferred plan, with SP) and "
+        "test_custom_module_loop_equals_one_process[dp2-tp2-plan] / [dp3-zero3] (dp × tp, ZeRO-3)",
     ),
     (
-        "tests/interop/test_parallelize.py::test_hf_llama_loop_equals_one_process[dp2-tp2-sp]",
-        "test_qwen2_tied_tp2_sp_with_biases_equals_one_process and "
-        "test_custom_module_loop_equals_one_process[dp2-tp2-plan]",
+        "tests/test_examples.py::test_custom_module_example_trains_under_zero2",
+        "tests/interop/test_parallelize.py::test_custom_module_loop_equals_one_process[dp2-zero2] "
+        "(the same loop in a pool)",
     ),
     (
         "tests/test_examples.py::test_hf_llama_example_equals_one_process_and_saves",
