@@ -272,7 +272,7 @@ def parallelize(
     mesh: a comm.Mesh (its "tp" group is used) or the tp Group itself. plan: the recipe's
     unless given. The model may still be on the meta device (then only shapes and tags are
     made; materialize.py fills the pieces) or hold initialised weights (sliced). A no-op when
-    tp == 1. Returns the model; `model.tp_plan` keeps the plan applied. tp_overlap: see
+    tp == 1. Returns the model; `model.ms_tp_plan` keeps the plan applied. tp_overlap: see
     set_tp_overlap (sequence parallelism only).
     """
     group = _tp_group(mesh)
@@ -289,7 +289,7 @@ def parallelize(
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, new)
     tie(model, recipe)  # both sides of a tie are split alike (the vocabulary): share the piece
-    model.tp_plan = plan
+    model.ms_tp_plan = plan  # not `tp_plan`: transformers' models own that name (a dict property)
     if tp_overlap:
         set_tp_overlap(model, True, tp_overlap_chunks)
     return model

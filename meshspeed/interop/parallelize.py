@@ -1,0 +1,242 @@
+"""`meshspeed.parallelize`: your own model and your own loop, split by meshspeed.
+
+    ctx = meshspeed.comm.init()
+    mesh = meshspeed.comm.ParallelDims(dp=2, tp=2).build(ctx)
+    model, opt = meshspeed.parallelize(model, mesh, zero=1, lr=3e-4)   # model: split in place
+    for x in batches:                                                  # this dp rank's samples
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step(); opt.zero_grad()
+    state = meshspeed.gather_for_save(model)                           # full tensors, every rank
+    if ctx.rank == 0: model.save_pretrained(out, state_dict=state)
+
+What is split and how:
+- a `transformers` LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM: meshspeed's own
+  family plan, renamed onto the Hugging Face modules (interop/hf_plan.py); tp with optional
+  sequence parallelism;
+- any nn.Module with `plan=` (module-name patterns -> styles, tensor_plan.py): tp by that plan;
+- any nn.Module at tp=1: data parallelism alone, no plan needed.
+Then, for all of them, the trainer's data parallelism (buckets reduced during backward, ZeRO-1/2/3,
+parallel/data.py, zero3.py) and its AdamW (parallel/optim.py), which is torch.optim.AdamW's
+update; every parameter is decayed as torch's is unless `no_decay(name, param)` says otherwise.
+
+A model that is not recognised, with tp > 1 and no plan, is refused with one line naming a
+module that nothing placed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.comm import placement
+from meshspeed.comm.errors import ConfigError
+from meshspeed.comm.recipe import PipelineUnits, Recipe
+from meshspeed.interop.hf_plan import EXTRA_STYLES, HF_CLASSES, hf_recipe, sequence_hooks, tied_pairs
+from meshspeed.kernels.loss import cross_entropy_loss
+from meshspeed.parallel import optim, tensor
+from meshspeed.parallel.data import DataParallel
+from meshspeed.parallel.optim import ZeroAdamW, build_data_parallel
+
+__all__ = ["Parallelized", "clip_grad_norm_", "gather_for_save", "parallelize"]
+
+ATTR = "meshspeed"  # the attribute of the parallelised model holding its Parallelized
+
+
+@dataclass
+class Parallelized:
+    """What parallelize did to a model (`model.meshspeed`): its mesh, data parallelism, the
+    tensor-parallel plan applied (None at tp=1) and the hooks it added."""
+
+    mesh: comm.Mesh
+    dp: DataParallel
+    plan: tensor.TensorPlan | None
+    sequence_parallel: bool
+    hooks: list = field(default_factory=list)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.coords["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size
+
+
+def _mesh(dims, ctx) -> comm.Mesh:
+    if isinstance(dims, comm.Mesh):
+        mesh = dims
+    elif isinstance(dims, comm.ParallelDims):
+        mesh = dims.build(ctx if ctx is not None else comm.init())
+    else:
+        raise ConfigError(
+            f"parallelize: dims={dims!r} must be a meshspeed.comm.ParallelDims (or the Mesh it builds), "
+            "e.g. ParallelDims(dp=2, tp=2)"
+        )
+    for name in ("pp", "cp", "ep"):
+        if getattr(mesh.dims, name) != 1:
+            raise ConfigError(
+                f"parallelize: {name}={getattr(mesh.dims, name)} is not supported on your own model "
+                "(dp, tp and ZeRO are); use `meshspeed train` for pipeline, context and expert parallelism"
+            )
+    return mesh
+
+
+def _unplaced(model: nn.Module, tp: int) -> ConfigError:
+    """One line: the first module a tp plan would have to place, and how to pass one."""
+    name, mod = next(
+        ((n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))),
+        ("", model),
+    )
+    where = f"{name!r} ({type(mod).__name__})" if name else f"the model ({type(mod).__name__})"
+    return ConfigError(
+        f"parallelize: tp={tp} but {type(model).__name__} is not a model meshspeed recognises "
+        f"({', '.join(HF_CLASSES)}), so nothing places {where}; pass plan={{'{name or '<module>'}': "
+        "'colwise', ...}} (module-name patterns -> colwise / rowwise / replicate ..., docs/parallelize.md), "
+        "or tp=1 for data parallelism alone"
+    )
+
+
+def _custom_recipe(model: nn.Module, blocks: str | None) -> Recipe:
+    return Recipe(
+        name=type(model).__name__,
+        build=lambda: model,
+        init=lambda fqn, shape, seed: None,
+        loss=cross_entropy_loss,
+        pipeline=PipelineUnits("", blocks or "", (), lambda m, p: ()),
+        tp_styles=EXTRA_STYLES,
+        tied=tied_pairs(model),
+    )
+
+
+def _blocks(model: nn.Module, given: str | None) -> str:
+    """ZeRO-3's unit container: given, or the first ModuleList / ModuleDict holding parameters
+    (`model.layers` of a Hugging Face causal LM)."""
+    if given:
+        return given
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) and any(True for _ in m.parameters()):
+            return name
+    raise ConfigError(
+        f"parallelize: zero=3 gathers the parameters one block at a time, and {type(model).__name__} "
+        "has no ModuleList / ModuleDict of blocks; pass blocks='<name of the container>' or use zero=2"
+    )
+
+
+def parallelize(
+    model: nn.Module,
+    dims,
+    *,
+    ctx=None,
+    plan=None,
+    sequence_parallel: bool = False,
+    zero: int = 1,
+    blocks: str | None = None,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    no_decay=None,
+    bucket_mb: float = 25.0,
+) -> tuple[nn.Module, ZeroAdamW]:
+    """Split `model` in place over `dims` and return it with its AdamW.
+
+    dims: a comm.ParallelDims (built with `ctx`, else comm.init()) or the Mesh it built; dp and
+    tp (pp, cp, ep stay 1). The model must hold its full initial weights, the same on every rank
+    (seed it alike), on this rank's device, in one dtype.
+    plan: {module-name pattern: style} or [(pattern, style)], first match wins, for tp > 1 on a
+    model meshspeed does not recognise (styles: colwise, rowwise, colwise_gathered, colwise_vocab,
+    vocab_embedding, sequence_norm, replicate; docs/parallelize.md). A recognised Hugging Face
+    causal LM needs none. sequence_parallel: the residual stream split over tp along the sequence
+    (recognised models, or a plan written for it). zero: 0, 1, 2 or 3 (3: parameters gathered one
+    block of `blocks` at a time, default the model's first ModuleList). lr, betas, eps,
+    weight_decay: torch.optim.AdamW's, with its defaults; no_decay(name, param) -> True exempts a
+    parameter from decay. The model then trains with `loss.backward(); opt.step(); opt.zero_grad()`
+    on each dp rank's own samples (`model.meshspeed.dp_rank` of `dp_size`); every tp rank of a
+    replica must see the same samples.
+    """
+    if hasattr(model, ATTR):
+        raise ConfigError("parallelize: this model was parallelized already; pass the single-device model")
+    mesh = _mesh(dims, ctx)
+    tp = mesh["tp"].size
+    # every check before the first change: a refused model is left as it was
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(dtypes) != 1:
+        raise ConfigError(
+            f"parallelize: the trainable parameters have dtypes {sorted(map(str, dtypes)) or 'none'}; "
+            "give the model one dtype (model.float() or model.to(torch.bfloat16))"
+        )
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
+    units = _blocks(model, blocks) if zero == 3 else None
+    # tp = 1 needs no recipe: dp / ZeRO place any module (ZeRO-3's blocks: _blocks finds them)
+    recipe = hf_recipe(model, tp, sequence_parallel) if plan is None and tp > 1 else None
+    applied, hooks = None, []
+    if tp > 1:
+        if recipe is None and plan is None:
+            raise _unplaced(model, tp)
+        r = recipe or _custom_recipe(model, blocks)
+        tensor.parallelize(model, mesh, r, sequence_parallel=sequence_parallel, plan=plan)
+        applied = model.ms_tp_plan
+        if recipe is not None and sequence_parallel:
+            hooks = sequence_hooks(model, mesh["tp"])
+    dp, opt = build_data_parallel(
+        model,
+        mesh,
+        zero=zero,
+        bucket_mb=bucket_mb,
+        dtype=next(iter(dtypes)),
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        no_decay=no_decay or (lambda name, p: False),
+        units=units,
+    )
+    object.__setattr__(model, ATTR, Parallelized(mesh, dp, applied, sequence_parallel, hooks))
+    return model, opt
+
+
+def _state(model: nn.Module) -> Parallelized:
+    st = getattr(model, ATTR, None)
+    if not isinstance(st, Parallelized):
+        raise ConfigError(
+            "this model was not made by meshspeed.parallelize; call parallelize(model, dims) first"
+        )
+    return st
+
+
+def gathered(model: nn.Module):
+    """Inside, every parameter of `model` holds this rank's whole local piece (ZeRO-3 gathers
+    them; collective over dp). Nothing to do at ZeRO 0-2."""
+    dp = _state(model).dp
+    return dp.zero3.gathered() if dp.zero3 is not None else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def gather_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict with every tensor whole (tp pieces gathered, ZeRO-3 shards
+    gathered): what `save_pretrained(dir, state_dict=...)` or `torch.save` should write.
+    Collective: call it on every rank; each gets the same tensors (copies; tied parameters stay
+    one tensor)."""
+    st = _state(model)
+    out, seen = {}, {}
+    with gathered(model):
+        for name, t in model.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                full = placement.full_tensor(t, st.mesh, placement.sharding_of(t))
+                seen[id(t)] = full.detach().clone()
+            out[name] = seen[id(t)]
+    return out
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float = math.inf) -> torch.Tensor:
+    """The global gradient norm of the whole (unsplit) model, after backward, the same on every
+    rank; with a finite max_norm the gradients are scaled as torch.nn.utils.clip_grad_norm_
+    scales them. Collective over all ranks."""
+    st = _state(model)
+    return optim.clip_grad_norm_(st.dp, max_norm, st.mesh)
