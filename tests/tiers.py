@@ -414,6 +414,11 @@ _ENTRIES: list[tuple[str, str]] = [
         "tests/faults/test_run_command.py::test_failed_rank_is_named_and_no_worker_is_left[kill]",
         "tests/faults/test_signals.py::test_killed_worker_is_named_with_its_signal (the same launcher)",
     ),
+    (
+        "tests/train/test_sparsity_elastic.py::test_resume_across_a_pattern_change_equals_the_straight_run",
+        "tests/train/test_sparsity_comm.py::test_resume_keeps_the_packing_decision_and_an_async_update "
+        "(a sparse run resumed bit for bit) and test_pattern_change_moves_sparsity_under_tp_and_zero",
+    ),
     # --- meshspeed.parallelize (issue 29): every worker that builds a transformers model imports
     # it (seconds per process on 2 cores); CI keeps one such pool (world 2) and the ws 3/4 layouts
     # on a custom module

@@ -12,7 +12,7 @@ and session, so signals, process-tree checks, locks and files behave as for any 
 What it does not cover is the interpreter's start itself (`__main__`'s environment set before
 torch is imported, the import-time behaviour of a cold process): tests of that keep a real
 `subprocess` (`run(..., cold=True)`, and torchrun or any other module, which always start
-cold). Only `-m meshspeed`, `-m benchmarks.*` and WARM_MODULES start warm.
+cold). Only `-m meshspeed`, `-m benchmarks.*`, WARM_MODULES and `-c` snippets start warm.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ WARM_PACKAGES = ("benchmarks.",)
 
 
 def _warm_module(cmd) -> str | None:
+    """The module (or "-c") a command line runs warm, None for one that must start cold."""
     cmd = [str(c) for c in cmd]
+    if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-c":
+        return "-c"  # a snippet: run as the main module's code, with argv ["-c", *args]
     if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m":
         mod = cmd[2]
         if mod in WARM_MODULES or mod.startswith(WARM_PACKAGES):
@@ -75,10 +78,17 @@ def _child(mod, argv, cwd, env, stdin, stdout, stderr, new_session) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = [mod, *argv]
     code = 0
     try:
-        runpy.run_module(mod, run_name="__main__", alter_sys=True)
+        if mod == "-c":
+            sys.argv = ["-c", *argv[1:]]
+            main = sys.modules["__main__"].__dict__
+            main.clear()
+            main.update(__name__="__main__", __builtins__=__builtins__)
+            exec(compile(argv[0], "<string>", "exec"), main)
+        else:
+            sys.argv = [mod, *argv]
+            runpy.run_module(mod, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         if isinstance(stop.code, int):
             code = stop.code
@@ -112,7 +122,7 @@ class Proc:
             target=_child,
             args=(
                 mod,
-                [str(a) for a in cmd[3:]],
+                [str(a) for a in cmd[(2 if mod == "-c" else 3):]],
                 str(cwd or os.getcwd()),
                 env,
                 _path(stdin),

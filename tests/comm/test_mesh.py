@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from meshspeed import comm
 from meshspeed.comm import ConfigError, ParallelDims
-from tests import harness
+from tests import harness, warm
 
 
 @pytest.mark.parametrize(
@@ -132,7 +131,7 @@ def test_single_process_needs_no_process_group():
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    out = warm.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
 
 
@@ -144,7 +143,7 @@ def test_world_mismatch_at_build_time_is_one_line():
         "except comm.ConfigError as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run(
+    out = warm.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,

@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -271,7 +270,7 @@ def test_control_the_stock_dcp_reader_would_run_the_payload(tmp_path, solo):
         "from torch.distributed.checkpoint import FileSystemReader\n"
         f"FileSystemReader({path!r}).read_metadata()"
     )
-    subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, timeout=60)
+    warm.run([sys.executable, "-c", code], env=env(), capture_output=True, timeout=60)
     assert marker.exists()
 
 

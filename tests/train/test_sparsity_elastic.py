@@ -24,11 +24,13 @@ ELASTIC = [
 ]
 
 
-def test_pattern_change_moves_sparsity_and_resumes_across_it_under_tp_and_zero(tmp_path):
-    layout = ELASTIC + [("train.steps", "8"), ("parallel.zero", "1")]
-    straight, split, single = (str(tmp_path / k) for k in ("straight", "split", "single"))
-    harness.run(4, job_run, straight, layout + [("parallel.tp", "2")])
-    harness.run(1, job_run, single, layout + [("parallel.tp", "1")])
+LAYOUT = ELASTIC + [("train.steps", "8"), ("parallel.zero", "1")]
+
+
+def test_pattern_change_moves_sparsity_under_tp_and_zero(tmp_path):
+    straight, single = str(tmp_path / "straight"), str(tmp_path / "single")
+    harness.run(4, job_run, straight, LAYOUT + [("parallel.tp", "2")])
+    harness.run(1, job_run, single, LAYOUT + [("parallel.tp", "1")])
     a = _rows(straight)
     # done = 4 (after step 3) the schedule names 2:4: measured sparsity moves there, not before
     assert [r["sparsity"] for r in a] == [0.75] * 3 + [0.5] * 5
@@ -36,16 +38,23 @@ def test_pattern_change_moves_sparsity_and_resumes_across_it_under_tp_and_zero(t
     for x, y in zip(a, _rows(single)):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * y["loss"], (x, y)
         assert x["sparsity"] == y["sparsity"]
+
+
+def test_resume_across_a_pattern_change_equals_the_straight_run(tmp_path):
+    tp2 = LAYOUT + [("parallel.tp", "2")]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    harness.run(4, job_run, straight, tp2)
+    a = _rows(straight)
     # stop at step 3 (before the change), resume: the change happens at the same step, bit for bit
-    harness.run(4, job_run, split, layout + [("parallel.tp", "2"), ("train.exit_interval", "3")])
+    harness.run(4, job_run, split, tp2 + [("train.exit_interval", "3")])
     assert len(_rows(split)) == 3
-    harness.run(4, job_run, split, layout + [("parallel.tp", "2"), ("checkpoint.resume", "latest")])
+    harness.run(4, job_run, split, tp2 + [("checkpoint.resume", "latest")])
     assert _rows(split) == a
     # and a checkpoint taken after the change restores the 2:4 pattern in force (its masks are
     # checked against it on load, they would fail as 1:4)
     again = str(tmp_path / "again")
-    harness.run(4, job_run, again, layout + [("parallel.tp", "2"), ("train.exit_interval", "5")])
-    harness.run(4, job_run, again, layout + [("parallel.tp", "2"), ("checkpoint.resume", "latest")])
+    harness.run(4, job_run, again, tp2 + [("train.exit_interval", "5")])
+    harness.run(4, job_run, again, tp2 + [("checkpoint.resume", "latest")])
     assert _rows(again) == a
 
 
