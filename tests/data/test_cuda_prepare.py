@@ -6,12 +6,13 @@ cpu case hides the GPUs (CUDA_VISIBLE_DEVICES=""), so it is the same check witho
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+
+from tests import warm
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the cpu case runs here")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +36,8 @@ def test_prepare_leaves_the_gpu_alone(tmp_path, device):
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-c", SCRIPT, str(src), str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    # the CUDA case starts cold: what a fresh interpreter initialises is the claim there
+    res = warm.run(cmd, capture_output=True, text=True, env=env, timeout=300, cold=device == "cuda")
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"cuda available {device == 'cuda'} initialized False" in res.stdout
     tokens = np.fromfile(out, dtype=np.uint16).tolist()  # bytes tokenizer: a token is a byte
