@@ -38,7 +38,7 @@ from benchmarks.gpu_features import COMMON, FEATURE_BASE, FEATURES
 from benchmarks.gpu_tests import cuda_test_files, junit_counts, selection_args
 from benchmarks.harness import ROOT, clean_env, parser
 
-SECTIONS = ("tests", "commands", "trainer", "features", "sparse")
+SECTIONS = ("trainer", "tests", "commands", "features", "sparse")  # the open issue's figures first
 
 
 # ------------------------------------------------------------------------------ running things
@@ -237,16 +237,20 @@ def trainer(rep: Report, work: str) -> None:
         )
     if rep.mode == "dry":
         return rep.not_run("trainer vs plain loop and transformers", "--dry")
+    # issue 24's 1.92B configuration (llama3-8b at 4 layers, 2 x 2048 tokens); the fused-kernels
+    # side is left out there: five sides of that size do not fit one GPU together
     size = (
-        "--device cuda --presets llama3-8b --layers 4 --dim 2048 --seq-len 2048 --batch 2 --dtypes bfloat16"
+        "--device cuda --presets llama3-8b --layers 4 --seq-len 2048 --batch 2 --dtypes bfloat16 "
+        "--sides plain,transformers,eager,compile --rounds 2"
     )
     if rep.mode == "cpu-smoke":
-        size = "--presets tiny --dtypes float32 --steps 2"
-    args = ["-m", "benchmarks.trainer_overhead", *size.split(), "--rounds", "1"]
-    r = rep.sh("benchmarks/trainer_overhead.py", args, 90)
+        size = "--presets tiny --dtypes float32 --steps 2 --rounds 1"
+    args = ["-m", "benchmarks.trainer_overhead", *size.split(), "--profile", "eager"]
+    args += ["--optimizer-alone", "false"]
+    r = rep.sh("benchmarks/trainer_overhead.py", args, 180)
     if r is None:
         return
-    rep.data["trainer"] = dict(rc=r["rc"], seconds=r["s"], table=tail(r["out"], 30), err=tail(r["err"], 3))
+    rep.data["trainer"] = dict(rc=r["rc"], seconds=r["s"], table=tail(r["out"], 60), err=tail(r["err"], 3))
     rep.say(f"trainer_overhead: rc {r['rc']} ({r['s']} s)")
 
 

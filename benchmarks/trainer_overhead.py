@@ -40,6 +40,13 @@ from meshspeed.comm.launch import headline
 from meshspeed.models.flops import flops_per_token
 
 CPU_SHAPES = {"tiny": (8, 128), "small": (4, 256)}  # preset: (batch, seq_len) of the CPU default
+SIDES = {  # a row's name: its short name for --sides and --profile
+    "plain loop": "plain",
+    "transformers": "transformers",
+    "meshspeed eager": "eager",
+    "+ fused kernels": "fused",
+    "+ compile": "compile",
+}
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -211,6 +218,7 @@ def compare(args, preset: str, dtype: str) -> list[dict]:
         fields = {f.name for f in dataclasses.fields(config.TrainSection)}
         compiled = [("train.compile", "true")] if "compile" in fields else None
         variants.append(("+ compile", compiled))
+        variants = [(n, e) for n, e in variants if SIDES[n] in args.sides]
         for name, extra in variants:
             if extra is None:
                 rows.append({"side": name, "error": "not available (no train.compile setting)"})
@@ -224,15 +232,17 @@ def compare(args, preset: str, dtype: str) -> list[dict]:
             trainers[name] = trainer
             sides[name], timers[name] = step, Timed(trainer.opt, args.device)
             probes[name] = trainer.opt
-        mc = trainers["meshspeed eager"].model_config if "meshspeed eager" in trainers else None
+        mc = next(iter(trainers.values())).model_config if trainers else None
         if mc is None:
             return rows
-        base = models.build_model(mc, seed=0)
-        plain_model, plain_opt, sides["plain loop"] = _plain(base, dtype, args.device)
-        timers["plain loop"], probes["plain loop"] = Timed(plain_opt, args.device), plain_opt
+        if "plain" in args.sides:
+            base = models.build_model(mc, seed=0)
+            plain_model, plain_opt, sides["plain loop"] = _plain(base, dtype, args.device)
+            timers["plain loop"], probes["plain loop"] = Timed(plain_opt, args.device), plain_opt
         try:
-            hf_model, hf_opt, sides["transformers"] = _transformers(mc, dtype, args.device)
-            timers["transformers"], probes["transformers"] = Timed(hf_opt, args.device), hf_opt
+            if "transformers" in args.sides:
+                hf_model, hf_opt, sides["transformers"] = _transformers(mc, dtype, args.device)
+                timers["transformers"], probes["transformers"] = Timed(hf_opt, args.device), hf_opt
         except Exception as err:  # noqa: BLE001
             rows.append({"side": "transformers", "error": headline(err)})
         order = ["plain loop", "transformers"] + [n for n in sides if n not in ("plain loop", "transformers")]
@@ -266,8 +276,25 @@ def compare(args, preset: str, dtype: str) -> list[dict]:
                 row["buckets"] = len(trainers[name].dp.buckets)
             row["peak_mb"] = peak_memory(args, sides[name], data[0], trainers.get(name), probes[name]) / 2**20
             rows.append(row)
+        for name in order:
+            if SIDES[name] in args.profile:
+                kernels(args, name, sides[name], data)
     gc.collect()
     return rows
+
+
+def kernels(args, name, step, data, rows: int = 18) -> None:
+    """Where one side's step time goes: two steps under torch.profiler, the operators (CPU) or
+    kernels (CUDA) by self time."""
+    cuda = torch.device(args.device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for i in range(2):
+            step(*data[i % len(data)])
+            _sync(args.device)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"\n{name}: two steps under torch.profiler, by {key}:")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=56))
 
 
 def peak_memory(args, step, batch, trainer, opt) -> int:
@@ -368,7 +395,7 @@ def print_optimizer(preset, rows) -> None:
 
 
 def acceptance(results, alone) -> None:
-    print("\nissue 24's CPU acceptance:")
+    print("\nissue 24's acceptance:")
     for (preset, dtype), rows in results.items():
         by = {r["side"]: r for r in rows if "step_ms" in r}
         if dtype == "float32" and "plain loop" in by and "meshspeed eager" in by:
@@ -378,6 +405,12 @@ def acceptance(results, alone) -> None:
             r = by["meshspeed eager"]
             per = r["opt_ops"] / r["buckets"]
             print(f"  {preset}: bf16 optimizer step, {per:.1f} operators per bucket (target <= 8)")
+        if "plain loop" in by and "meshspeed eager" in by and by["plain loop"].get("mfu"):  # GPU acceptance
+            x = by["plain loop"]["step_ms"] / by["meshspeed eager"]["step_ms"]
+            print(f"  {preset}, {dtype}: trainer eager speed / plain loop = {x:.3f} (GPU target >= 0.9)")
+        if by.get("+ compile", {}).get("mfu"):
+            mfu = 100 * by["+ compile"]["mfu"]
+            print(f"  {preset}, {dtype}: --train.compile MFU {mfu:.1f}% (GPU target >= 50%)")
     for preset, rows in alone.items():
         for r in rows:
             if r["side"].startswith("ZeroAdamW"):
@@ -396,9 +429,29 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per round (the median is taken)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak for MFU (0: known GPUs)")
+    p.add_argument(
+        "--sides",
+        default=",".join(SIDES.values()),
+        help=f"which sides to run, comma-separated among {', '.join(SIDES.values())} (default all; "
+        "at 1.92B parameters all five do not fit one 141 GB GPU together)",
+    )
+    p.add_argument("--profile", default="", help="sides whose two steps are profiled, printed by self time")
+    p.add_argument(
+        "--optimizer-alone",
+        default="true",
+        choices=("true", "false"),
+        help="also time the optimizer alone on the same parameters (default true)",
+    )
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     harness.require_positive(p, args, "steps", "rounds")
+    for flag in ("sides", "profile"):
+        chosen = [s for s in getattr(args, flag).split(",") if s]
+        if bad := [s for s in chosen if s not in SIDES.values()]:
+            p.error(f"--{flag} {','.join(bad)}: choose among {', '.join(SIDES.values())}")
+        setattr(args, flag, chosen)
+    if not set(args.sides) - {"plain", "transformers"}:
+        p.error(f"--sides {','.join(args.sides)}: name at least one meshspeed side (eager, fused, compile)")
     from meshspeed.train.metrics import peak_flops
 
     env = Env(args, comm.init(device=args.device), peak_flops(args.device, 1, args.peak_tflops or None))
@@ -408,8 +461,9 @@ def main(argv=None) -> None:
         for dtype in args.dtypes.split(","):
             results[(preset, dtype)] = rows = compare(env, preset, dtype)
             print_table(preset, dtype, rows)
-        alone[preset] = optimizer_alone(env, preset)
-        print_optimizer(preset, alone[preset])
+        if args.optimizer_alone == "true":
+            alone[preset] = optimizer_alone(env, preset)
+            print_optimizer(preset, alone[preset])
     acceptance(results, alone)
     if args.json:
         table = {f"{k[0]}/{k[1]}": v for k, v in results.items()}
