@@ -33,6 +33,7 @@ FEATURE_BASE = {
         ("train.global_batch_size", "2"),
         ("train.dtype", "bfloat16"),
         ("data.max_mb", "2"),
+        ("train.eval_batches", "1"),  # at 16 x 2048 tokens a batch the validation split holds one
     ],
     "cpu": [
         ("train.seq_len", "32"),

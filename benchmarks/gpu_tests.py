@@ -77,10 +77,15 @@ def junit_counts(xml: str, stdout: str = "") -> dict:
             out[kind] += 1
             failed += [test] * (kind == "failed")
         return {**out, "failed_tests": failed, "incomplete": True}
+    why = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
-        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-        kind = {"failure": "failed", "error": "failed"}.get(kind, kind)
+        bad = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        kind = {"failure": "failed", "error": "failed"}.get(bad.tag, bad.tag) if bad is not None else "passed"
         out[kind] += 1
         if kind == "failed":
-            failed.append(f"{case.get('classname')}::{case.get('name')}")
-    return {**out, "failed_tests": failed}
+            test = f"{case.get('classname')}::{case.get('name')}"
+            failed.append(test)
+            # the assertion's own line and the traceback's last lines: what a fix needs to know
+            text = (bad.get("message") or "") + "\n" + (bad.text or "")
+            why[test] = "\n".join(line for line in text.strip().splitlines()[-12:])[:1500]
+    return {**out, "failed_tests": failed, "why": why}

@@ -159,6 +159,7 @@ def _trainer(args, preset: str, dtype: str, extra: list, run_dir: str):
         ("train.dtype", dtype),
         ("train.steps", "100000"),
         ("train.eval_interval", "0"),
+        ("train.eval_batches", "1"),  # the final evaluation: seq_len 2048 leaves few validation batches
         ("data.max_mb", "0.5"),
         ("run.dir", run_dir),
     ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -222,8 +223,15 @@ class DataParallel:
     # -- backward --------------------------------------------------------------------------
     def _make_hook(self, name: str):
         slot = self.slots[name]
+        # The parameter holds this hook; a strong reference back to self would be a cycle through
+        # the parameter's C++ side that the collector cannot see, keeping every bucket, master
+        # and the model alive after the trainer is dropped (GiBs per trainer on a GPU).
+        ref = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:
+            self = ref()
+            if self is None:
+                return
             b = self.buckets[slot.bucket]
             self._accumulate(p, name, b)
             self._dirty = True
