@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("cslt_capture: no CUDA device here; nothing to capture")
         return 0
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    out = {"device": torch.cuda.get_device_name(), "torch": str(torch.__version__), "cases": []}
     for dtype in (torch.bfloat16, torch.float16):
         for i, (r, c) in enumerate(SHAPES):
             dense = coded(r, c, i)

@@ -40,6 +40,7 @@ from meshspeed.comm.launch import headline
 from meshspeed.models.flops import flops_per_token
 
 CPU_SHAPES = {"tiny": (8, 128), "small": (4, 256)}  # preset: (batch, seq_len) of the CPU default
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel")  # prefixes: the Ex variants count too
 SIDES = {  # a row's name: its short name for --sides and --profile
     "plain loop": "plain",
     "transformers": "transformers",
@@ -91,7 +92,8 @@ def launched(step, batch, opt, device) -> int:
         return e.cpu_parent in roots
 
     if cuda:
-        return sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel") and under(e))
+        # runtime launch calls: ATen's cudaLaunchKernel(ExC), Triton's cuLaunchKernel(Ex)
+        return sum(1 for e in events if e.name.startswith(LAUNCHES) and under(e))
     return sum(1 for e in events if e.name.startswith("aten::") and top_level(e))
 
 

@@ -118,13 +118,17 @@ class Bucket:
         self.handle = None
         self.freed = False
         self.landed: set[str] = set()  # parameters with a gradient in `grad` since it was zeroed
+        # stale: zero_grad left the last step's values in `grad` instead of a pass of zeros; the
+        # first gradient of each parameter is copied over its view, and DataParallel.settle
+        # zeroes the views no gradient reached before anything reads the bucket
+        self.stale = False
 
     def materialize(self) -> None:
         if self.freed:
             self.grad.untyped_storage().resize_(self.nbytes)
             self.grad.zero_()
             self.landed.clear()
-            self.freed = False
+            self.freed = self.stale = False
 
     def free(self) -> None:
         self.grad.untyped_storage().resize_(0)

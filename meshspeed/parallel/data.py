@@ -178,6 +178,8 @@ class DataParallel:
         """Launch what backward did not, wait for every reduction. Idempotent; call before
         reading gradients (the optimizer and clip_grad_norm_ call it themselves)."""
         if not self._dirty:
+            for i in range(len(self.buckets)):  # zero_grad, then read without a backward
+                self.settle(i)
             return
         while self._next < len(self.buckets):
             self._launch(self._next, "launched_in_finish")
@@ -207,11 +209,26 @@ class DataParallel:
         for b in self.buckets:
             if b.freed:
                 continue  # zero=2: re-allocated zeroed by the next backward
-            b.grad.zero_()
             b.landed.clear()
-            if self.views_grad:
+            if self.views_grad:  # autograd adds into p.grad (the view itself): zeros are needed
+                b.grad.zero_()
                 for s in b.spec.slots:
                     self.params[s.name].grad = self._gviews[s.name]
+            else:  # each first gradient is copied, not added: zero only what none reaches (settle)
+                b.stale = True
+
+    def settle(self, i: int) -> None:
+        """Zero bucket i's views that no gradient reached since zero_grad (a stale bucket still
+        holds the last step's values there): one small fill per unused parameter instead of a
+        pass of zeros over the whole bucket each step (~2 ms a step at 1.92B fp32 gradients on
+        an H200). Called before the bucket is reduced or read."""
+        b = self.buckets[i]
+        if not b.stale:
+            return
+        for s in b.spec.slots:
+            if s.name not in b.landed:
+                self._gviews[s.name].zero_()
+        b.stale = False
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -293,6 +310,7 @@ class DataParallel:
     def _launch(self, i: int, counter: str) -> None:
         b = self.buckets[i]
         b.materialize()  # a bucket of unused parameters may still be released
+        self.settle(i)
         self._next = i + 1
         self.stats[counter] += 1
         if self.events is not None:

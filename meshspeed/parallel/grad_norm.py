@@ -86,12 +86,35 @@ def grad_norm(target, mesh, norm_type: float = 2.0) -> torch.Tensor:
     for g, tp in segs:
         if not g.numel() or not (inf or keep[tp]):
             continue
-        # float64: a float32 norm over a whole flat bucket is only good to ~2e-5 relative, enough
-        # for layouts (whose buckets differ) to report visibly different grad norms.
-        n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
-        local = torch.maximum(local, n) if inf else local + n**norm_type
+        if inf:
+            local = torch.maximum(local, torch.linalg.vector_norm(g, norm_type).to(torch.float64))
+        else:
+            local = local + _power_sum(g, norm_type)
     total = comm.all_reduce(local.reshape(1), mesh["world"], "max" if inf else "sum")[0]
     return (total if inf else total ** (1.0 / norm_type)).float()
+
+
+ROW = 1 << 11  # elements per float32 partial sum in _power_sum
+
+
+def _power_sum(g: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """sum |g|^p as a float64 scalar, read in one pass over g. A float32 norm over a whole flat
+    bucket is only good to ~2e-5 relative (enough for layouts, whose buckets differ, to report
+    visibly different norms); `vector_norm(g, dtype=float64)` is exact but casts the whole bucket
+    to float64 first: on a GPU that pass and the float64 reduction cost ~10 ms a step at 1.92B
+    parameters (an H200 profile, 12 ms of a 105 ms step), most of the optimizer's own update. So:
+    float32 norms of rows of ROW elements, their p-th powers summed in float64: within 1e-6
+    relative of the exact sum (measured ~1e-7 at p = 2), whatever the bucket's length."""
+    g = g.reshape(-1)
+    dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16, torch.float32) else g.dtype
+    rows = g.numel() // ROW
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    if rows:
+        part = torch.linalg.vector_norm(g[: rows * ROW].view(rows, ROW), norm_type, dim=1, dtype=dtype)
+        total = total + part.to(torch.float64).pow_(norm_type).sum()
+    if g.numel() > rows * ROW:  # the tail: under one row, cheap in float64
+        total = total + torch.linalg.vector_norm(g[rows * ROW :], norm_type, dtype=torch.float64) ** norm_type
+    return total
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:

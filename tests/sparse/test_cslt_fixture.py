@@ -1,0 +1,45 @@
+"""meshspeed's compressed 2:4 layout against cuSPARSELt's own bytes, on the CPU.
+
+fixtures/cslt_h200.pt holds what torch._cslt_compress wrote on an NVIDIA H200 (torch 2.11,
+CUDA 13; benchmarks/cslt_capture.py made it) for matrices whose kept values are all distinct
+(benchmarks.cslt_capture.coded regenerates them). The torch reference of the layout
+(cslt_layout.compress_reference) and the fused Triton kernel, through its interpreter, must
+write the same bytes: values and metadata."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from benchmarks.cslt_capture import coded
+from meshspeed.sparse import cslt_layout, kernels
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "cslt_h200.pt")
+CASES = torch.load(FIXTURE)["cases"]
+
+
+def _case(key: str):
+    dtype, shape, seed = key.split("_")
+    rows, cols = map(int, shape.split("x"))
+    dense = coded(rows, cols, int(seed.removeprefix("seed"))).to(getattr(torch, dtype))
+    return dense, CASES[key].reshape(-1)  # stored as cuSPARSELt returned it: [rows, bytes per row]
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_the_reference_layout_is_cusparselts_byte_for_byte(key):
+    dense, want = _case(key)
+    got = cslt_layout.compress_reference(dense, dense != 0).view(torch.uint8)
+    half = dense.numel() * dense.element_size() // 2  # the kept values, then the metadata
+    assert torch.equal(got[:half], want[:half]), f"{key}: the values differ"
+    bad = (got[half:] != want[half:]).nonzero().flatten()
+    assert not len(bad), f"{key}: {len(bad)} metadata bytes differ, first at byte {int(bad[0])}"
+
+
+@pytest.mark.parametrize("key", ["bfloat16_64x64_seed0", "float16_64x128_seed1", "bfloat16_128x256_seed3"])
+def test_the_triton_kernel_writes_cusparselts_bytes_in_the_interpreter(key, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dense, want = _case(key)
+    got = kernels.mask_and_compress(dense.float(), dense != 0, dtype=dense.dtype, want_t=False)
+    assert torch.equal(got.w.view(torch.uint8), want)
