@@ -211,7 +211,14 @@ def _kernel():
         p = tl.load(P + offs, mask=live, other=0.0)
         g = tl.load(G + offs, mask=live, other=0.0)
         if HAS_COEF:  # clipping: the product clip_grad_norm_'s mul_ makes, kept in the bucket
-            g = g.to(tl.float32) * tl.load(COEF)
+            coef = tl.load(COEF)
+            if CUDA_ORDER and G.dtype.element_ty != tl.float32:
+                # ATen on CUDA casts the 0-d float32 factor (a CUDA tensor, not a CPU scalar) to
+                # the gradient's dtype before the product; the CPU takes a 0-d CPU tensor as a
+                # scalar at full precision. An H200 run found the difference (many ulps of the
+                # master with bf16 gradients, clipped); compiled, the cast rounds to nearest even.
+                coef = coef.to(G.dtype.element_ty).to(tl.float32)
+            g = g.to(tl.float32) * coef
             if G.dtype.element_ty == tl.bfloat16:  # rounded as torch rounds (see the publish)
                 bits = g.to(tl.uint32, bitcast=True)
                 bits = tl.where(g != g, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)

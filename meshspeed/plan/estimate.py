@@ -15,7 +15,9 @@ What is exact and what is a model:
   log-softmax of its (vocab-sharded) logits. The layers in flight are the pipeline schedule's
   peak number of micro-batches whose forward has run and backward has not (from its
   simulation); recompute applies to the first `memory.recompute_layers` layers of each stage;
-- buffers: the sequence-parallel all-gather of one layer's input (tp > 1 with SP).
+- buffers: the sequence-parallel all-gather of one layer's input (tp > 1 with SP), and on the
+  last stage the loss's backward (`loss_backward_bytes`: two float32 [tokens, vocab/tp]
+  gradients, unless memory.chunked_loss).
 Memory features (`_features`): `reuse_fp32_param` takes 2 bytes off each fp32 master weight the
 rank holds (all its parameters at zero 0, 1/dp of them at ZeRO-1/2); `offload_optimizer` moves
 the optimizer bytes to `host` and counts about two buckets' state in buffers (on the device
@@ -37,7 +39,13 @@ copies' gradients (buffers).
 
 from __future__ import annotations
 
-from meshspeed.memory.estimate import head_activation_bytes, is_moe_layer, layer_activation_bytes, moe_shape
+from meshspeed.memory.estimate import (
+    head_activation_bytes,
+    is_moe_layer,
+    layer_activation_bytes,
+    loss_backward_bytes,
+    moe_shape,
+)
 from meshspeed.memory.fp32_reuse import fp32_reuse_saved_bytes
 from meshspeed.memory.swap import attention_swap_bytes
 
@@ -123,6 +131,10 @@ def estimate_memory(cfg, model, dims, plan, coords: dict, params: int) -> dict:
     held = [i for st in mine for i in st["layers"]] if mine else range(model.n_layers)
     copies *= any(is_moe_layer(model, i) for i in held)  # backward: one layer's copies' gradients
     buffers = (s * mb * h * b if (tp > 1 and p.sequence_parallel) else 0) + gathered + copies
+    if head:  # the loss's backward, while every activation is still held
+        buffers += loss_backward_bytes(
+            tokens=s * mb, vocab=model.vocab_size, tp=tp, chunked=cfg.memory.chunked_loss
+        )
     opt, acts, buffers, host, saved = _features(cfg, model, dims, params, opt, acts, buffers, swapped)
     out = {
         "params": int(param_bytes),

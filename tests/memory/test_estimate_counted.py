@@ -9,8 +9,9 @@ the rank, without asking the estimator anything:
   and under pipeline parallelism the peak of bytes kept alive over a whole schedule's step
   (saved-tensor hooks that see each saved tensor released);
 - transients the estimate books as buffers: ZeRO-3's gathered blocks (parameter storages
-  sampled at every module's forward), offload's optimizer state in flight and swap's attention
-  tensors brought back (their device copies, sampled while they live).
+  sampled at every module's forward), offload's optimizer state in flight, swap's attention
+  tensors brought back (their device copies, sampled while they live), and the loss's backward
+  (the two float32 gradients of the whole logits its operators return).
 The estimate's parts must equal those counts within BOUND bytes (the rows marked below state
 theirs), and its `total` the sum of the counted storages, taken as one set, plus activations
 and transients: a count that never went through the estimator's own sum.
@@ -23,6 +24,7 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshspeed.memory import count_saved
 from meshspeed.plan import config
@@ -257,11 +259,18 @@ def _count_activations(trainer, cfg, live: dict, host: dict) -> dict:
     """Saved bytes of one micro-batch (pp: the peak over a whole step), ZeRO-3's gathered
     parameter bytes at their peak, swap's copies brought back in backward."""
     model = trainer.model
+    whole = T * trainer.model_config.vocab_size  # the whole logits' elements (tp 1 rows)
     if trainer.pipeline is not None:
         peak = LivePeak([*model.parameters(), *model.buffers()])
-        with peak.hooks():
+        with peak.hooks(), LossBackward(whole) as lb:
             trainer.train_step(1)
-        return {"activations": peak.peak, "gathered": 0, "swap_back": 0, "swap_host": 0}
+        return {
+            "activations": peak.peak,
+            "gathered": 0,
+            "swap_back": 0,
+            "swap_host": 0,
+            "loss_backward": lb.bytes,
+        }
     gen = torch.Generator().manual_seed(trainer.ctx.rank)
     # inputs and targets apart, as training has them (one tensor for both would hide the ids)
     x, y = torch.randint(0, trainer.model_config.vocab_size, (2, MB, SEQ), generator=gen)
@@ -275,7 +284,8 @@ def _count_activations(trainer, cfg, live: dict, host: dict) -> dict:
     swap_host = host["swap"]
     for h in hooks:
         h.remove()
-    (ce if aux is None else ce + aux).backward()
+    with LossBackward(whole) as lb:
+        (ce if aux is None else ce + aux).backward()
     trainer.dp.zero_grad()
     shards = sum(_storage_bytes(z3.shards).values()) if z3 is not None else 0
     return {
@@ -283,7 +293,29 @@ def _count_activations(trainer, cfg, live: dict, host: dict) -> dict:
         "gathered": max(samples) - shards if samples else 0,
         "swap_back": live["peak"],
         "swap_host": swap_host,
+        "loss_backward": lb.bytes,
     }
+
+
+class LossBackward(TorchDispatchMode):
+    """The loss's backward transients: the gradients nll_loss and log-softmax's backward make
+    for the whole [T, vocab] logits, alive together (one micro-batch's: the largest of each).
+    A chunked loss makes them a chunk at a time: not whole, not counted (nor estimated)."""
+
+    def __init__(self, whole: int):
+        super().__init__()
+        self.whole, self.sizes = whole, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("nll_loss_backward", "_log_softmax_backward_data") and out.numel() == self.whole:
+            self.sizes[name] = max(self.sizes.get(name, 0), out.numel() * out.element_size())
+        return out
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.sizes.values())
 
 
 def _check(row: str, r: dict) -> list[str]:
@@ -305,10 +337,10 @@ def _check(row: str, r: dict) -> list[str]:
         within("optimizer", est["optimizer"], got["optimizer"])
     within("activations", est["activations"], got["activations"], lo - SCALARS, hi + SCALARS)
     within("host", est["host"], got["host"] + got["swap_host"])
-    transient = got["gathered"] + got["swap_back"]
+    transient = got["gathered"] + got["swap_back"] + got["loss_backward"]
     if "offload" in row:
         # "about two buckets": the two largest neighbours' state, never more than two caps
-        transient = got["offload_in_flight"]
+        transient = got["offload_in_flight"] + got["loss_backward"]
         within("buffers (offload in flight)", est["buffers"], transient, -est["buffers"] // 2, 0)
     else:
         within("buffers", est["buffers"], transient)
