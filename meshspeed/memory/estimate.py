@@ -146,7 +146,9 @@ def loss_backward_bytes(*, tokens: int, vocab: int, tp: int = 1, chunked: bool =
     step's peak for a large vocabulary: every layer's activations are still held then. An H200
     run measured the allocator's peak 4.02 GiB over the estimate that left this out, at 4,096
     tokens and a 128,256 vocabulary: 2 x 4,096 x 128,256 x 4 bytes = 3.91 GiB.
-    memory.chunked_loss scores a chunk at a time: nothing of the sort is ever whole."""
+    memory.chunked_loss scores a chunk at a time: nothing of the sort is ever whole. At tp > 1
+    the vocabulary-parallel loss is taken to hold the same two gradients of its shard (counted
+    on the CPU at tp 1 only: tests/memory/test_estimate_counted.py)."""
     if chunked:
         return 0
     return 2 * tokens * -(-vocab // tp) * 4
