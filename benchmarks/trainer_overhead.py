@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks import harness, peers
 from meshspeed import comm, models
 from meshspeed.comm.launch import headline
+from meshspeed.memory import cpu_peak_bytes
 from meshspeed.models.flops import flops_per_token
 
 CPU_SHAPES = {"tiny": (8, 128), "small": (4, 256)}  # preset: (batch, seq_len) of the CPU default
@@ -95,21 +96,6 @@ def launched(step, batch, opt, device) -> int:
         # runtime launch calls: ATen's cudaLaunchKernel(ExC), Triton's cuLaunchKernel(Ex)
         return sum(1 for e in events if e.name.startswith(LAUNCHES) and under(e))
     return sum(1 for e in events if e.name.startswith("aten::") and top_level(e))
-
-
-def transient_peak(fn) -> int:
-    """CPU: the most bytes fn() holds above what was live when it started (allocation events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    deltas = sorted(
-        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-        for e in prof.events()
-    )
-    live = peak = 0
-    for _, d in deltas:
-        live += d
-        peak = max(peak, live)
-    return peak
 
 
 class Timed:
@@ -316,7 +302,7 @@ def peak_memory(args, step, batch, trainer, opt) -> int:
     else:
         params = [p for g in opt.param_groups for p in g["params"]]
         held = harness.storage_bytes(params) + harness.storage_bytes(peers.optimizer_state(opt))
-    return held + transient_peak(lambda: step(*batch))
+    return held + cpu_peak_bytes(lambda: step(*batch))
 
 
 # ------------------------------------------------------------------------------ the optimizer alone

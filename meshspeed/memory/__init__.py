@@ -6,7 +6,7 @@ and the recipe's pipeline units) and never imports models/.
 """
 
 from .chunked_loss import chunked_loss, chunked_model_loss, hidden_states_out
-from .count import SavedBytes, count_saved
+from .count import SavedBytes, count_saved, cpu_peak_bytes
 from .fp32_reuse import share_fp32_masters
 from .offload import offload_optimizer
 from .recompute import RECOMPUTE_MODES, apply_recompute
@@ -20,6 +20,7 @@ __all__ = [
     "chunked_loss",
     "chunked_model_loss",
     "count_saved",
+    "cpu_peak_bytes",
     "hidden_states_out",
     "offload_optimizer",
     "share_fp32_masters",

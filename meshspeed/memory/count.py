@@ -6,6 +6,9 @@ freed after use, as the activation recompute frees the SwiGLU product, counts wh
 holds: nothing). Parameters and buffers are not activations and are left out. Checkpointed
 regions save through their own hooks and are invisible here; what a checkpoint keeps instead
 (its inputs) is reported by `note_kept`, called by meshspeed.memory.recompute.
+
+`cpu_peak_bytes(fn)`: the most bytes fn() holds at once above what was live when it started, on
+the CPU (no allocator statistics there), from torch.profiler's memory events.
 """
 
 from __future__ import annotations
@@ -64,3 +67,25 @@ def count_saved(model: nn.Module | None = None) -> Iterator[SavedBytes]:
             yield counter
     finally:
         _ACTIVE.remove(counter)
+
+
+def cpu_peak_bytes(fn) -> int:
+    """The most bytes fn() allocates and holds at once, above what was live at its start, from
+    torch.profiler's memory events. An event's allocations count from its start and its frees
+    from its end: autograd frees a node's inputs and saved tensors when the node's evaluation
+    ends, after the operators it ran allocated their outputs (ordering both by start would see
+    the free first and miss the peak, by one whole gradient for a loss's backward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas = []
+    for e in prof.events():
+        d = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        if d:
+            deltas.append((e.time_range.start if d > 0 else e.time_range.end, d))
+    live = peak = 0
+    for _, d in sorted(deltas):
+        live += d
+        peak = max(peak, live)
+    return peak

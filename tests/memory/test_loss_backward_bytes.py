@@ -4,34 +4,17 @@ The loss's backward holds two float32 [tokens, vocab] gradients at once (the log
 and log-softmax's input's) on top of every saved activation: with a large vocabulary that is the
 step's peak. An H200 run found the plan 4.02 GiB under the measured peak without it (4,096
 tokens, vocabulary 128,256). Here the bytes backward allocates over what was live before it,
-read from torch.profiler's memory events, are compared with memory.estimate.loss_backward_bytes."""
+read from torch.profiler's memory events (memory.cpu_peak_bytes), are compared with
+memory.estimate.loss_backward_bytes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from meshspeed.kernels.loss import cross_entropy_loss
+from meshspeed.memory import cpu_peak_bytes
 from meshspeed.memory.estimate import loss_backward_bytes
-
-
-def _peak_above_start(fn) -> int:
-    """An event's allocations counted from its start, its frees from its end: autograd frees
-    a node's inputs and saved tensors when the node's evaluation ends, after the operators it
-    ran have allocated their outputs."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    deltas = []
-    for e in prof.events():
-        d = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-        deltas.append((e.time_range.start if d > 0 else e.time_range.end, d))
-    deltas.sort()
-    live = peak = 0
-    for _, d in deltas:
-        live += d
-        peak = max(peak, live)
-    return peak
 
 
 @pytest.mark.parametrize("tokens,vocab", [(256, 1024), (512, 4096)])
@@ -42,7 +25,7 @@ def test_the_loss_backward_holds_two_float32_logit_gradients(tokens, vocab):
     w = torch.randn(vocab, dim, generator=g, requires_grad=True)
     y = torch.randint(0, vocab, (1, tokens), generator=g)
     loss = cross_entropy_loss(h @ w.t(), y)  # the forward's log-softmax output is saved
-    measured = _peak_above_start(loss.backward)
+    measured = cpu_peak_bytes(loss.backward)
     predicted = loss_backward_bytes(tokens=tokens, vocab=vocab)
     small = (tokens + vocab) * dim * 4 * 2  # the hidden's and the weight's gradients, and a matmul temp
     assert predicted <= measured <= predicted + small, (measured, predicted)
