@@ -28,7 +28,6 @@ minutes of CPU.
 
 from __future__ import annotations
 
-import itertools
 import re
 import sys
 import time
@@ -38,7 +37,7 @@ from meshspeed.models import presets
 from meshspeed.models.flops import flops_per_token, param_count
 from meshspeed.plan import config
 from meshspeed.plan.machine import get_machine
-from meshspeed.plan.planner import LADDER, evaluate, rank_layouts, why_lost
+from meshspeed.plan.planner import rank_layouts, why_lost
 from meshspeed.plan.run_plan import resolve_model
 
 GPUS_PER_NODE = 8
@@ -258,47 +257,28 @@ def unsearched(lay: dict, model, machine) -> list[str]:
 
 
 def evaluate_theirs(cfg, world: int, machine, lay: dict):
-    """(best predicted result for the published layout, rejection lines): their settings pinned,
-    unstated ones (schedule, micro-batch) and the memory rung chosen as the planner chooses."""
+    """(best predicted result for the published layout, rejection lines): the planner's own
+    search (rank_layouts) with their stated settings pinned, as `meshspeed plan --parallel.tp 4
+    ...` pins a user's; the unstated ones (schedule, micro-batch) and the memory rung are chosen
+    as the planner chooses them."""
     model, _ = resolve_model(cfg)
     t = cfg.train
     tp, pp, cp = lay["tp"], lay["pp"], lay["cp"]
-    dp = world // (tp * pp * cp)
+    pins = {"parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp, "parallel.ep": 1}
+    pins["parallel.sequence_parallel"] = tp > 1
     if lay.get("vpp"):
-        scheds = [("1f1b", 1)] if lay["vpp"] == 1 else [("interleaved", lay["vpp"])]
-    else:
-        scheds = [("1f1b", 1)] + ([("interleaved", 2)] if pp > 1 and model.n_layers % (2 * pp) == 0 else [])
-    mbss = [lay["mbs"]] if lay.get("mbs") else [1, 2, 4]
-    ladder = [(rc, z) for rc, z in LADDER if lay.get("zero") in (None, z)]
-    best, rejected = None, []
-    for (sched, vpp), mbs in itertools.product(scheds, mbss):
-        if t.global_batch_size % dp or (t.global_batch_size // dp) % mbs:
-            rejected.append(
-                f"global batch {t.global_batch_size} does not split into dp {dp} × micro-batch {mbs}"
-            )
-            continue
-        for rc, zero in ladder:
-            s = {
-                "parallel.tp": tp,
-                "parallel.pp": pp,
-                "parallel.cp": cp,
-                "parallel.ep": 1,
-                "parallel.zero": zero,
-                "parallel.sequence_parallel": tp > 1,
-                "parallel.pp_schedule": sched,
-                "parallel.vpp": vpp,
-                "train.micro_batch_size": mbs,
-                "memory.recompute": rc,
-            }
-            r = evaluate(cfg, world, machine, s)
-            if "predicted" in r:
-                if best is None or r["predicted"]["step_s"] < best["predicted"]["step_s"]:
-                    best = r
-                break
-            rejected.append(r["rejected"])
-            if not r["rejected"].startswith("memory"):
-                break
-    return best, rejected
+        pins["parallel.pp_schedule"] = "1f1b" if lay["vpp"] == 1 else "interleaved"
+        pins["parallel.vpp"] = lay["vpp"]
+    if lay.get("mbs"):
+        pins["train.micro_batch_size"] = lay["mbs"]
+    if lay.get("zero") is not None:
+        pins["parallel.zero"] = lay["zero"]
+    ok, rejected = rank_layouts(cfg, world, machine, fixed=pins)
+    lines = [r["rejected"] for r in rejected]
+    dp = world // (tp * pp * cp)
+    if not ok and not lines:
+        lines = [f"global batch {t.global_batch_size} does not split into dp {dp} × micro-batches"]
+    return (ok[0] if ok else None), lines
 
 
 def smallest_memory(rejected: list[str]) -> str:
