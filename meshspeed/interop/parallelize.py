@@ -21,6 +21,10 @@ update; every parameter is decayed as torch's is unless `no_decay(name, param)` 
 
 A model that is not recognised, with tp > 1 and no plan, is refused with one line naming a
 module that nothing placed.
+
+A model built under `torch.device("meta")` is born sharded with `load_from=DIR` (a
+`save_pretrained` directory): it is split first, then each rank reads only its own slices
+(interop/load_sharded.py). A meta model without load_from is refused in one line.
 """
 
 from __future__ import annotations
@@ -149,7 +153,8 @@ def parallelize(
 
     dims: a comm.ParallelDims (built with `ctx`, else comm.init()) or the Mesh it built; dp and
     tp (pp, cp, ep stay 1). The model must hold its full initial weights, the same on every rank
-    (seed it alike), on this rank's device, in one dtype.
+    (seed it alike), on this rank's device, in one dtype; or be built on the meta device and
+    given `load_from`.
     plan: {module-name pattern: style} or [(pattern, style)], first match wins, for tp > 1 on a
     model meshspeed does not recognise (styles: colwise, rowwise, colwise_gathered, colwise_vocab,
     vocab_embedding, sequence_norm, replicate; docs/parallelize.md). A recognised Hugging Face

@@ -80,3 +80,18 @@ def test_the_mistral_window_is_live_and_the_qwen2_biases_are_split():
     for proj in ("q_proj", "k_proj", "v_proj"):
         assert plan[f"model.layers.*.self_attn.{proj}"] == "colwise", plan
     assert plan["lm_head"] == "colwise_gathered", plan
+
+
+@needs_hf
+def test_a_config_the_plan_cannot_describe_is_one_line():
+    import transformers
+
+    from meshspeed.comm import ConfigError
+    from meshspeed.interop.hf_plan import hf_recipe
+
+    config = transformers.LlamaConfig(**tiny_llama("llama").config.to_dict())
+    config.attention_bias = True  # meshspeed's Llama has no attention biases
+    with pytest.raises(ConfigError) as e:
+        hf_recipe(transformers.LlamaForCausalLM(config), 2, sequence_parallel=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "LlamaForCausalLM" in msg and "attention_bias" in msg and "plan=" in msg, msg

@@ -3,7 +3,8 @@ under `torch.device("meta")` at tp 2 ends with exactly the parameters, and train
 the losses, of the same model loaded whole by `from_pretrained` and parallelized; each rank
 reads from the files only its own pieces (bytes counted at safetensors' `safe_open`, about half
 the model), never a whole split tensor. An untied Llama and a tied Qwen2 (its `lm_head.weight`
-absent from the files: the embedding's tensor) run in one worker call. A meta model without
+absent from the files: the embedding's tensor) run in one worker call, and the Llama at dp 2
+(tp 1: each rank reads it whole). A meta model without
 load_from, or a directory lacking a tensor, is refused in one line."""
 
 from __future__ import annotations
@@ -101,6 +102,17 @@ def job_born_sharded(ctx, dirs: dict):
             losses.append(run)
         local = {n: p.numel() * p.element_size() for n, p in born.named_parameters()}
         out[kind] = dict(same=same, buffers=buffers, losses=losses, reads=reads, local=local)
+    # tp 1 (dp 2): no split, so each rank reads the whole model and holds the saved values
+    path = dirs["llama"]
+    whole = transformers.AutoModelForCausalLM.from_pretrained(path).float()
+    with torch.device("meta"):
+        born = type(whole)(whole.config)
+    with counting_reads() as reads:
+        meshspeed.parallelize(born, comm.ParallelDims(dp=2).build(ctx), lr=LR, load_from=path)
+    out["dp2"] = dict(
+        same=all(torch.equal(p, q) for p, q in zip(born.parameters(), whole.parameters(), strict=True)),
+        read=sum(b for _, b in reads),
+    )
     return out
 
 
@@ -126,6 +138,8 @@ def test_born_sharded_load_equals_whole_load_and_reads_half(tmp_path):
             assert 0.45 * whole_bytes[kind] < read < 0.55 * whole_bytes[kind], (kind, read, whole_bytes)
             # no read is a whole split tensor: the largest one is a rank's piece of the largest
             assert max(b for _, b in res["reads"]) == max(res["local"].values()), res["reads"]
+    for res in results:
+        assert res["dp2"] == dict(same=True, read=whole_bytes["llama"]), res["dp2"]
     tied = {name for name, _ in results[0]["qwen2"]["reads"]}
     assert "lm_head.weight" not in tied and "model.embed_tokens.weight" in tied
 
