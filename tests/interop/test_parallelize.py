@@ -20,6 +20,13 @@ from tests import harness
 STEPS, BATCH, SEQ, VOCAB, LR = 10, 6, 32, 256, 1e-3  # BATCH: divisible by dp 2 and 3
 TOL = 1e-5
 WINDOW = 8  # Mistral's sliding window, a quarter of SEQ
+# AdamW's eps for the Hugging Face parities whose saved logits are compared: at torch's 1e-8 the
+# first step moves an element whose gradient is ~1e-8 (an lm_head row of a token no target
+# uses) by lr * g / (|g| + eps), a sign function of g, so a 1e-12 rounding difference in g
+# became 3e-6 of weight and a 1.1e-5 logit difference (seen on Llama and Mistral at tp 2). At
+# 1e-6 such an element moves by lr * g / eps and its rounding stays ~1e-9: the comparison
+# measures the parallel path, not AdamW's conditioning. Both sides use the same eps.
+EPS = 1e-6
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
@@ -164,7 +171,8 @@ LLAMA_LAYOUTS = [
 def test_hf_llama_loop_equals_one_process(tmp_path, ws, dims, kw):
     import transformers
 
-    want_losses, want_norms, want_logits, _ = one_process("llama")
+    want_losses, want_norms, want_logits, _ = one_process("llama", STEPS, EPS)
+    kw = {**kw, "eps": EPS}
     results = harness.run(ws, job_loop, "llama", dims, kw, str(tmp_path / "hf"), timeout=120)
     for losses, norms, _ in results:
         assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (losses, want_losses)

@@ -12,6 +12,7 @@ import torch
 
 from tests import harness
 from tests.interop.test_parallelize import (
+    EPS,
     TOL,
     VOCAB,
     batches,
@@ -23,13 +24,7 @@ from tests.interop.test_parallelize import (
 )
 
 FAMILIES = ("mistral", "qwen2-untied")
-STEPS = 4  # a short loop: the claim is the first losses
-# AdamW's eps: at torch's 1e-8 the first step moves an element whose gradient is ~1e-8 (an
-# lm_head row of a token no target uses) by lr * g / (|g| + eps), so a 1e-12 rounding
-# difference in g became 3e-6 of weight and a 1.1e-5 logit difference (seen on Mistral at tp 2).
-# At 1e-6 such an element moves by lr * g / eps, and its rounding stays ~1e-9: the comparison
-# measures the parallel path, not AdamW's conditioning. Both sides use the same eps.
-EPS = 1e-6
+STEPS = 4  # a short loop: the claim is the first losses (AdamW's eps: EPS, see there)
 
 
 def job_families(ctx, dims: dict, kw: dict, out: str):
