@@ -5,7 +5,8 @@ reads from the files only its own pieces (bytes counted at safetensors' `safe_op
 the model), never a whole split tensor. An untied Llama and a tied Qwen2 (its `lm_head.weight`
 absent from the files: the embedding's tensor) run in one worker call, and the Llama at dp 2
 (tp 1: each rank reads it whole). A meta model without
-load_from, or a directory lacking a tensor, is refused in one line."""
+load_from, files lacking a tensor or holding another shape, and a real model with load_from
+are refused in one line, the model left as it was."""
 
 from __future__ import annotations
 
@@ -151,15 +152,24 @@ def job_refused(ctx, llama_dir: str, tied_qwen2_dir: str):
 
     mesh = comm.ParallelDims(tp=2).build(ctx)
     config = transformers.AutoConfig.from_pretrained(llama_dir)
+    wider = transformers.AutoConfig.from_pretrained(llama_dir, vocab_size=2 * config.vocab_size)
+    cases = [  # (config, on meta, load_from)
+        (config, True, None),  # no weights at all
+        (config, True, tied_qwen2_dir),  # files lacking lm_head.weight
+        (wider, True, llama_dir),  # files with another vocabulary
+        (config, False, llama_dir),  # a model that holds its weights already
+    ]
     out = []
-    for load_from in (None, tied_qwen2_dir):  # no weights; weights lacking lm_head.weight
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+    for cfg, meta, load_from in cases:
+        with torch.device("meta" if meta else "cpu"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        before = {n: (p.device, p.shape) for n, p in model.named_parameters()}
         try:
             meshspeed.parallelize(model, mesh, load_from=load_from)
             out.append(None)
         except comm.ConfigError as e:  # and the refused model is left as it was
-            out.append((str(e), all(p.is_meta for p in model.parameters()), hasattr(model, "meshspeed")))
+            after = {n: (p.device, p.shape) for n, p in model.named_parameters()}
+            out.append((str(e), after == before, hasattr(model, "meshspeed")))
     return out
 
 
@@ -167,8 +177,13 @@ def job_refused(ctx, llama_dir: str, tied_qwen2_dir: str):
 def test_meta_model_without_load_from_or_a_tensor_is_one_line(tmp_path):
     for kind in KINDS:
         tiny_llama(kind).save_pretrained(str(tmp_path / kind))
-    (no_dir, missing) = harness.run(2, job_refused, str(tmp_path / "llama"), str(tmp_path / "qwen2"))[0]
-    for msg, still_meta, parallelized in (no_dir, missing):
-        assert "\n" not in msg and still_meta and not parallelized, (msg, still_meta, parallelized)
-    assert "meta device" in no_dir[0] and "load_from=" in no_dir[0], no_dir
-    assert "no tensor 'lm_head.weight'" in missing[0], missing
+    results = harness.run(2, job_refused, str(tmp_path / "llama"), str(tmp_path / "qwen2"))[0]
+    for res in results:
+        assert res is not None, results
+        msg, unchanged, parallelized = res
+        assert "\n" not in msg and unchanged and not parallelized, res
+    no_dir, missing, wider, real = (r[0] for r in results)
+    assert "meta device" in no_dir and "load_from=" in no_dir, no_dir
+    assert "no tensor 'lm_head.weight'" in missing, missing
+    assert "model.embed_tokens.weight has shape [256, 64]" in wider and "[512, 64]" in wider, wider
+    assert "torch.device('meta')" in real and "already holds values" in real, real
