@@ -4,9 +4,9 @@ the losses, of the same model loaded whole by `from_pretrained` and parallelized
 reads from the files only its own pieces (bytes counted at safetensors' `safe_open`, about half
 the model), never a whole split tensor. An untied Llama and a tied Qwen2 (its `lm_head.weight`
 absent from the files: the embedding's tensor) run in one worker call, and the Llama at dp 2
-(tp 1: each rank reads it whole). A meta model without
-load_from, files lacking a tensor or holding another shape, and a real model with load_from
-are refused in one line, the model left as it was."""
+(tp 1: each rank reads it whole). A meta model without load_from, files lacking a tensor or
+holding another shape, and a real model with load_from are refused in one line, the model left
+as it was."""
 
 from __future__ import annotations
 
