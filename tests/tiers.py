@@ -449,6 +449,11 @@ _ENTRIES: list[tuple[str, str]] = [
         "test_custom_module_loop_equals_one_process[dp2-tp2-plan] / [dp3-zero3] (dp × tp, ZeRO-3)",
     ),
     (
+        "tests/interop/test_parallelize_families.py::test_mistral_and_qwen2_loops_equal_one_process[dp2-tp2-sp]",
+        "[tp2] of the same test (the same families in the world-2 pool) and "
+        "test_parallelize.py::test_qwen2_tied_tp2_sp_with_biases_equals_one_process (the plan with SP)",
+    ),
+    (
         "tests/test_examples.py::test_custom_module_example_trains_under_zero2",
         "tests/interop/test_parallelize.py::test_custom_module_loop_equals_one_process[dp2-zero2] "
         "(the same loop in a pool)",

@@ -21,6 +21,10 @@ update; every parameter is decayed as torch's is unless `no_decay(name, param)` 
 
 A model that is not recognised, with tp > 1 and no plan, is refused with one line naming a
 module that nothing placed.
+
+A model built under `torch.device("meta")` is born sharded with `load_from=DIR` (a
+`save_pretrained` directory): it is split first, then each rank reads only its own slices
+(interop/load_sharded.py). A meta model without load_from is refused in one line.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from meshspeed import comm
 from meshspeed.comm import placement
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.recipe import PipelineUnits, Recipe
+from meshspeed.interop import load_sharded
 from meshspeed.interop.hf_plan import EXTRA_STYLES, HF_CLASSES, hf_recipe, sequence_hooks, tied_pairs
 from meshspeed.kernels.loss import cross_entropy_loss
 from meshspeed.parallel import optim, tensor
@@ -142,12 +147,14 @@ def parallelize(
     weight_decay: float = 0.01,
     no_decay=None,
     bucket_mb: float = 25.0,
+    load_from: str | None = None,
 ) -> tuple[nn.Module, ZeroAdamW]:
     """Split `model` in place over `dims` and return it with its AdamW.
 
     dims: a comm.ParallelDims (built with `ctx`, else comm.init()) or the Mesh it built; dp and
     tp (pp, cp, ep stay 1). The model must hold its full initial weights, the same on every rank
-    (seed it alike), on this rank's device, in one dtype.
+    (seed it alike), on this rank's device, in one dtype; or be built on the meta device and
+    given `load_from`.
     plan: {module-name pattern: style} or [(pattern, style)], first match wins, for tp > 1 on a
     model meshspeed does not recognise (styles: colwise, rowwise, colwise_gathered, colwise_vocab,
     vocab_embedding, sequence_norm, replicate; docs/parallelize.md). A recognised Hugging Face
@@ -158,6 +165,9 @@ def parallelize(
     parameter from decay. The model then trains with `loss.backward(); opt.step(); opt.zero_grad()`
     on each dp rank's own samples (`model.meshspeed.dp_rank` of `dp_size`); every tp rank of a
     replica must see the same samples.
+    load_from: a directory `save_pretrained` wrote, for a model built under
+    `torch.device("meta")`: each rank reads only its own slices of the weights after the split
+    (interop/load_sharded.py), so none ever holds the whole model.
     """
     if hasattr(model, ATTR):
         raise ConfigError("parallelize: this model was parallelized already; pass the single-device model")
@@ -173,17 +183,20 @@ def parallelize(
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
     units = _blocks(model, blocks) if zero == 3 else None
+    loading = load_sharded.plan_load(model, load_from) if load_sharded.check_meta(model, load_from) else None
     # tp = 1 needs no recipe: dp / ZeRO place any module (ZeRO-3's blocks: _blocks finds them)
     recipe = hf_recipe(model, tp, sequence_parallel) if plan is None and tp > 1 else None
     applied, hooks = None, []
+    if tp > 1 and recipe is None and plan is None:
+        raise _unplaced(model, tp)
+    r = recipe or _custom_recipe(model, blocks)
     if tp > 1:
-        if recipe is None and plan is None:
-            raise _unplaced(model, tp)
-        r = recipe or _custom_recipe(model, blocks)
         tensor.parallelize(model, mesh, r, sequence_parallel=sequence_parallel, plan=plan)
         applied = model.ms_tp_plan
-        if recipe is not None and sequence_parallel:
-            hooks = sequence_hooks(model, mesh["tp"])
+    if loading is not None:  # after the split: each rank reads only the pieces it now owns
+        load_sharded.load_pieces(model, loading, r, mesh)
+    if tp > 1 and recipe is not None and sequence_parallel:
+        hooks = sequence_hooks(model, mesh["tp"])
     dp, opt = build_data_parallel(
         model,
         mesh,
