@@ -79,8 +79,8 @@ def grep(text: str, pattern: str) -> str:
 
 
 class Report:
-    def __init__(self, mode: str, budget: float):
-        self.mode, self.t0 = mode, time.perf_counter()
+    def __init__(self, mode: str, budget: float, out: str = "."):
+        self.mode, self.out, self.t0 = mode, out, time.perf_counter()  # out: where files go
         self.slow = 5 if mode == "cpu-smoke" else 1  # time limits stretched for a (shared) laptop
         self.budget = budget * self.slow
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
@@ -386,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             "(--dry or --cpu-smoke check the script itself)"
         )
         return 0
-    rep = Report(mode, a.budget)
-    rep.out = a.out
+    rep = Report(mode, a.budget, a.out)
     os.makedirs(a.out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu_report-") as work:
         for name in SECTIONS:
