@@ -34,7 +34,42 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
 
 
-class HFCheckpoint:
+class SafetensorsFiles:
+    """A `save_pretrained` directory's safetensors: per tensor name the file holding it (the
+    single file wins over an index, transformers' order), and windowed reads of one tensor."""
+
+    def __init__(self, path: str, setting: str):
+        self.path = path
+        self.files = self._weight_map(setting)
+
+    def _weight_map(self, setting: str) -> dict[str, str]:
+        index, single = os.path.join(self.path, INDEX), os.path.join(self.path, SINGLE)
+        if os.path.isfile(single):  # transformers' order: the single file wins over an index
+            return {k: single for k in read_safetensors_header(single)}
+        if os.path.isfile(index):
+            return read_index(index, self.path)
+        bins = [n for n in os.listdir(self.path) if n.endswith(".bin") or n.endswith(".pt")]
+        hint = (
+            f" (it holds {bins[0]}: re-save it with save_pretrained(safe_serialization=True))" if bins else ""
+        )
+        raise ConfigError(f"{setting}={self.path!r} has neither {SINGLE} nor {INDEX}{hint}")
+
+    def _open(self, name: str):
+        # Opened per use, not kept: the recipe (and so this object) lives as long as training,
+        # and a kept handle would keep every shard memory-mapped. A header parse costs little.
+        return open_safetensors(self.files[name])
+
+    def shape(self, name: str) -> list[int]:
+        with self._open(name) as f:
+            return list(f.get_slice(name).get_shape())
+
+    def read(self, name: str, window: list[tuple[int, int]]) -> torch.Tensor:
+        """Tensor `name` restricted to [start, stop) per leading dim; only that is read."""
+        with self._open(name) as f:
+            return f.get_slice(name)[tuple(slice(a, b) for a, b in window)]
+
+
+class HFCheckpoint(SafetensorsFiles):
     """A Hugging Face model directory opened for reading: its config.json (as a ModelConfig too)
     and, per tensor name, the safetensors file holding it."""
 
@@ -53,23 +88,11 @@ class HFCheckpoint:
             raise ConfigError(f"{cfg_file}: {e}") from None
         except ValueError as e:  # ModelConfig's own checks
             raise ConfigError(f"{cfg_file}: {e}") from None
-        self.files = self._weight_map(setting)
+        SafetensorsFiles.__init__(self, path, setting)
         for f in sorted(set(self.files.values())):  # every shard's header checked before any read
             read_safetensors_header(f)
         self.sources = hf_tensors(self.config)
         self._check(setting)
-
-    def _weight_map(self, setting: str) -> dict[str, str]:
-        index, single = os.path.join(self.path, INDEX), os.path.join(self.path, SINGLE)
-        if os.path.isfile(single):  # transformers' order: the single file wins over an index
-            return {k: single for k in read_safetensors_header(single)}
-        if os.path.isfile(index):
-            return read_index(index, self.path)
-        bins = [n for n in os.listdir(self.path) if n.endswith(".bin") or n.endswith(".pt")]
-        hint = (
-            f" (it holds {bins[0]}: re-save it with save_pretrained(safe_serialization=True))" if bins else ""
-        )
-        raise ConfigError(f"{setting}={self.path!r} has neither {SINGLE} nor {INDEX}{hint}")
 
     def _check(self, setting: str) -> None:
         wanted = {n for s in self.sources.values() for n in s.names}
@@ -92,19 +115,6 @@ class HFCheckpoint:
                 f"{self.config.family} model has no place for; is config.json for these weights?"
             )
 
-    def _open(self, name: str):
-        # Opened per use, not kept: the recipe (and so this object) lives as long as training,
-        # and a kept handle would keep every shard memory-mapped. A header parse costs little.
-        return open_safetensors(self.files[name])
-
-    def shape(self, name: str) -> list[int]:
-        with self._open(name) as f:
-            return list(f.get_slice(name).get_shape())
-
-    def read(self, name: str, window: list[tuple[int, int]]) -> torch.Tensor:
-        """Tensor `name` restricted to [start, stop) per leading dim; only that is read."""
-        with self._open(name) as f:
-            return f.get_slice(name)[tuple(slice(a, b) for a, b in window)]
 
 
 class LazyParam:

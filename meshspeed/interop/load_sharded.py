@@ -21,47 +21,30 @@ and buffer is checked before the model is changed, so a refused model is left as
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import nn
 
-from meshspeed.checkpoint.safetensors_io import open_safetensors, read_safetensors_header
+from meshspeed.checkpoint.safetensors_io import read_safetensors_header
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.recipe import Recipe
-from meshspeed.interop.hf_config import read_index
-from meshspeed.interop.hf_import import INDEX, SINGLE, LazyParam
+from meshspeed.interop.hf_import import LazyParam, SafetensorsFiles
 from meshspeed.interop.hf_plan import tied_pairs
 from meshspeed.models.hf import HFTensor
 from meshspeed.parallel.materialize import materialize
 
 
-class SafetensorsDir:
-    """A `save_pretrained` directory's tensors by name: header shapes, windowed reads."""
+class SafetensorsDir(SafetensorsFiles):
+    """A `save_pretrained` directory's tensors by name, with every tensor's shape from the
+    headers (checked against the meta model before anything is read)."""
 
     def __init__(self, path: str):
-        self.path = path
-        single, index = os.path.join(path, SINGLE), os.path.join(path, INDEX)
-        if os.path.isfile(single):  # transformers' order: the single file wins over an index
-            files = {single: read_safetensors_header(single)}
-        elif os.path.isfile(index):
-            by_name = read_index(index, path)
-            files = {f: read_safetensors_header(f) for f in sorted(set(by_name.values()))}
-        else:
-            raise ConfigError(
-                f"parallelize: load_from={path!r} has neither {SINGLE} nor {INDEX}; give a directory "
-                "written by save_pretrained (safetensors)"
-            )
-        self.files, self.shapes = {}, {}
-        for f, header in files.items():
-            for name, entry in header.items():
+        super().__init__(path, "parallelize: load_from")
+        self.shapes = {}
+        for f in sorted(set(self.files.values())):
+            for name, entry in read_safetensors_header(f).items():
                 if name != "__metadata__":
-                    self.files[name], self.shapes[name] = f, list(entry["shape"])
-
-    def read(self, name: str, window: list[tuple[int, int]]) -> torch.Tensor:
-        """Tensor `name` restricted to [start, stop) per leading dim; only that is read."""
-        with open_safetensors(self.files[name]) as f:
-            return f.get_slice(name)[tuple(slice(a, b) for a, b in window)]
+                    self.shapes[name] = list(entry["shape"])
 
 
 class _Plan:
