@@ -14,7 +14,10 @@ What is split and how:
   family plan, renamed onto the Hugging Face modules (interop/hf_plan.py); tp with optional
   sequence parallelism;
 - any nn.Module with `plan=` (module-name patterns -> styles, tensor_plan.py): tp by that plan;
-- any nn.Module at tp=1: data parallelism alone, no plan needed.
+- any nn.Module at tp=1: data parallelism alone, no plan needed;
+- a `transformers` MixtralForCausalLM at tp=1: its experts split over ep (dims ep > 1, which
+  borrows dp ranks as in `meshspeed train`), each layer's tokens exchanged all-to-all
+  (interop/hf_experts.py); the router and attention data parallel.
 Then, for all of them, the trainer's data parallelism (buckets reduced during backward, ZeRO-1/2/3,
 parallel/data.py, zero3.py) and its AdamW (parallel/optim.py), which is torch.optim.AdamW's
 update; every parameter is decayed as torch's is unless `no_decay(name, param)` says otherwise.
@@ -40,7 +43,7 @@ from meshspeed import comm
 from meshspeed.comm import placement
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.recipe import PipelineUnits, Recipe
-from meshspeed.interop import load_sharded
+from meshspeed.interop import hf_experts, load_sharded
 from meshspeed.interop.hf_plan import EXTRA_STYLES, HF_CLASSES, hf_recipe, sequence_hooks, tied_pairs
 from meshspeed.kernels.loss import cross_entropy_loss
 from meshspeed.parallel import optim, tensor
@@ -82,13 +85,36 @@ def _mesh(dims, ctx) -> comm.Mesh:
             f"parallelize: dims={dims!r} must be a meshspeed.comm.ParallelDims (or the Mesh it builds), "
             "e.g. ParallelDims(dp=2, tp=2)"
         )
-    for name in ("pp", "cp", "ep"):
+    for name in ("pp", "cp"):
         if getattr(mesh.dims, name) != 1:
             raise ConfigError(
                 f"parallelize: {name}={getattr(mesh.dims, name)} is not supported on your own model "
-                "(dp, tp and ZeRO are); use `meshspeed train` for pipeline, context and expert parallelism"
+                "(dp, tp, ep and ZeRO are); use `meshspeed train` for pipeline and context parallelism"
             )
     return mesh
+
+
+def _check_experts(model: nn.Module, mesh: comm.Mesh, load_from) -> bool:
+    """Whether `model` has Hugging Face stacked experts to split over ep; refuses in one line the
+    layouts this path does not build (before anything changes)."""
+    ep, tp, name = mesh.dims.ep, mesh["tp"].size, type(model).__name__
+    has = bool(hf_experts.expert_modules(model))
+    if ep > 1 and not has:
+        raise ConfigError(
+            f"parallelize: ep={ep} but {name} has no experts meshspeed can split "
+            f"({', '.join(hf_experts.EXPERT_CLASSES)}: MixtralForCausalLM); use ep=1"
+        )
+    if has and tp > 1:
+        raise ConfigError(
+            f"parallelize: tp={tp} on {name}: its experts are split by expert parallelism here, not "
+            "tp; use ParallelDims(dp=N, ep=E) with tp=1 (E divides N and the expert count)"
+        )
+    if has and load_from is not None:
+        raise ConfigError(
+            f"parallelize: load_from={load_from!r} on {name}: born-sharded loading does not read "
+            "per-expert checkpoint files; load with from_pretrained, then parallelize"
+        )
+    return has and ep > 1
 
 
 def _unplaced(model: nn.Module, tp: int) -> ConfigError:
@@ -152,9 +178,9 @@ def parallelize(
     """Split `model` in place over `dims` and return it with its AdamW.
 
     dims: a comm.ParallelDims (built with `ctx`, else comm.init()) or the Mesh it built; dp and
-    tp (pp, cp, ep stay 1). The model must hold its full initial weights, the same on every rank
-    (seed it alike), on this rank's device, in one dtype; or be built on the meta device and
-    given `load_from`.
+    tp, and ep for a Mixtral (pp, cp stay 1). The model must hold its full initial weights, the
+    same on every rank (seed it alike), on this rank's device, in one dtype; or be built on the
+    meta device and given `load_from`.
     plan: {module-name pattern: style} or [(pattern, style)], first match wins, for tp > 1 on a
     model meshspeed does not recognise (styles: colwise, rowwise, colwise_gathered, colwise_vocab,
     vocab_embedding, sequence_norm, replicate; docs/parallelize.md). A recognised Hugging Face
@@ -183,6 +209,7 @@ def parallelize(
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
     units = _blocks(model, blocks) if zero == 3 else None
+    split_ep = _check_experts(model, mesh, load_from)
     loading = load_sharded.plan_load(model, load_from) if load_sharded.check_meta(model, load_from) else None
     # tp = 1 needs no recipe: dp / ZeRO place any module (ZeRO-3's blocks: _blocks finds them)
     recipe = hf_recipe(model, tp, sequence_parallel) if plan is None and tp > 1 else None
@@ -197,6 +224,8 @@ def parallelize(
         load_sharded.load_pieces(model, loading, r, mesh)
     if tp > 1 and recipe is not None and sequence_parallel:
         hooks = sequence_hooks(model, mesh["tp"])
+    if split_ep:  # each member keeps its block of experts; DataParallel reduces them over edp
+        hf_experts.split_experts(model, mesh["ep"])
     dp, opt = build_data_parallel(
         model,
         mesh,

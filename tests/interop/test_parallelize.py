@@ -17,7 +17,7 @@ from torch import nn
 from meshspeed import comm
 from tests import harness
 
-STEPS, BATCH, SEQ, VOCAB, LR = 10, 6, 32, 256, 1e-3  # BATCH: divisible by dp 2 and 3
+STEPS, BATCH, SEQ, VOCAB, LR = 10, 12, 32, 256, 1e-3  # BATCH: divisible by dp 2, 3 and 4
 TOL = 1e-5
 WINDOW = 8  # Mistral's sliding window, a quarter of SEQ
 # AdamW's eps for the Hugging Face parities whose saved logits are compared: at torch's 1e-8 the
@@ -52,6 +52,7 @@ def tiny_llama(family: str = "llama") -> nn.Module:
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen2-untied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[family]
     if family == "qwen2":
         common["tie_word_embeddings"] = True  # the head and the embedding split alike, one Parameter
@@ -59,6 +60,8 @@ def tiny_llama(family: str = "llama") -> nn.Module:
         common["tie_word_embeddings"] = False  # q/k/v biases, and a head of its own
     if family == "mistral":
         common["sliding_window"] = WINDOW  # shorter than SEQ, so the window changes the loss
+    if family == "mixtral":  # 6 experts, 2 per token: ep 2 and 3 each leave every member experts
+        common.update(num_local_experts=6, num_experts_per_tok=2, intermediate_size=48)
     torch.manual_seed(0)
     return cls(cfg(**common)).float()
 
