@@ -453,19 +453,5 @@ _ENTRIES: list[tuple[str, str]] = [
         "[tp2] of the same test (the same families in the world-2 pool) and "
         "test_parallelize.py::test_qwen2_tied_tp2_sp_with_biases_equals_one_process (the plan with SP)",
     ),
-    (
-        "tests/test_examples.py::test_custom_module_example_trains_under_zero2",
-        "tests/interop/test_parallelize.py::test_custom_module_loop_equals_one_process[dp2-zero2] "
-        "(the same loop in a pool)",
-    ),
-    (
-        "tests/test_examples.py::test_hf_llama_example_equals_one_process_and_saves",
-        "tests/interop/test_parallelize.py::test_qwen2_tied_tp2_sp_with_biases_equals_one_process "
-        "(the same loop in a pool)",
-    ),
-    (
-        "tests/faults/test_run_command.py::test_sigterm_to_the_launcher_leaves_no_worker",
-        "tests/faults/test_signals.py::test_killed_launcher_leaves_no_worker[9] (the same launcher)",
-    ),
 ]
 SLOW: dict[str, str] = dict(_ENTRIES)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -128,8 +129,11 @@ def run_worker(fn, args: tuple = (), report=None) -> int:
         is_echo = bool(getattr(err, "echo", False))
         culprits = list(getattr(err, "culprits", None) or [])  # a timeout's root cause (desync.py)
         if report is not None:
+            # when: the clock is the machine's (CLOCK_MONOTONIC), so the launcher can order reports
+            # that reach it in one poll; a rank that fails because its peer's exit closed their
+            # connection reports after that peer
             with contextlib.suppress(Exception):
-                report.send((line, detail, is_echo, culprits))
+                report.send((line, detail, is_echo, culprits, time.monotonic()))
         elif not is_echo:
             if detail != line:
                 print(detail, file=sys.stderr)
@@ -238,8 +242,11 @@ class _Watch:
         settled = self.echo_at is not None and (
             time.monotonic() - self.echo_at > _ECHO_WAIT_S or not self.alive()
         )
+        # the earliest report first (a plain torch.distributed error on the peer of a rank that
+        # raised is not marked as an echo, and both reports often arrive within one poll)
+        reports = sorted(self.reports.items(), key=lambda kv: (kv[1][4] if kv[1] else math.inf, kv[0]))
         for echo_ok in (False, True) if settled else (False,):
-            for r, rep in sorted(self.reports.items()):
+            for r, rep in reports:
                 if rep and rep[2] == echo_ok:
                     detail = rep[1] if rep[1] != rep[0] else ""
                     if len(rep) > 3 and rep[3]:  # a timeout whose root cause is another rank: it first

@@ -131,6 +131,7 @@ def test_meshspeed_init_script_restarts_after_a_failure(start, tmp_path):
         (["--nproc", "0", "ok.py"], "--nproc=0 must be a whole number ≥ 1; e.g. --nproc 2"),
         (["--nproc", "two", "ok.py"], "--nproc=two must be a whole number ≥ 1; e.g. --nproc 2"),
         (["--max-restarts", "-1", "ok.py"], "--max-restarts=-1 must be a whole number ≥ 0; e.g. --max"),
+        (["--start-method", "fork", "ok.py"], "--start-method=fork is not known; valid: auto, spawn"),
     ],
 )
 def test_bad_arguments_are_one_line_before_any_worker(tmp_path, monkeypatch, capsys, args, line):
@@ -166,3 +167,41 @@ def test_script_exit_codes_in_a_worker(tmp_path, monkeypatch):
         with pytest.raises(ScriptExit) as err:
             script_worker(path, [code])
         assert launch.headline(err.value) == line
+
+
+# Which start the workers had: a module the launcher preloads only when it forks them (`auto` on
+# a machine without a GPU, and the script names meshspeed.parallelize at its top level).
+PRELOADED = """
+import os, sys
+had = "meshspeed.interop.parallelize" in sys.modules
+import meshspeed
+meshspeed.parallelize
+print(f"rank {os.environ['RANK']} preloaded={had}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("method, want", [("auto", True), ("spawn", False)])
+def test_workers_share_the_launchers_imports_unless_spawn_is_asked(start, tmp_path, method, want):
+    job = start([*GROUP, "--start-method", method, _script(tmp_path, PRELOADED)], command="run")
+    assert job.finish(BOUND) == 0, job.stderr[-3000:]
+    for r in range(2):
+        assert f"rank {r} preloaded={want}" in job.stdout, job.stdout + job.stderr[-3000:]
+
+
+def test_what_the_launcher_preloads_is_read_from_the_script_never_run(tmp_path, monkeypatch):
+    from meshspeed.commands.run import preloadable
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(
+        "open('ran', 'w').close()\n"
+        "import json, torch.nn as nn\n"
+        "from transformers import LlamaConfig\n"
+        "import mylib\n"
+        "model = transformers.LlamaForCausalLM\n"
+        "def f():\n    import numpy\n"
+    )
+    got = preloadable("train.py")
+    assert got == {"torch": set(), "transformers": {"LlamaConfig", "LlamaForCausalLM"}}, got
+    assert not (tmp_path / "ran").exists()
+    (tmp_path / "broken.py").write_text("import torch\ndef (:\n")
+    assert preloadable("broken.py") == {}
