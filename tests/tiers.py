@@ -449,6 +449,12 @@ _ENTRIES: list[tuple[str, str]] = [
         "test_custom_module_loop_equals_one_process[dp2-tp2-plan] / [dp3-zero3] (dp × tp, ZeRO-3)",
     ),
     (
+        "tests/interop/test_parallelize_experts.py::test_mixtral_expert_parallel_loop_equals_one_process[dp4-ep2-zero2]",
+        "[ep2] and [ep3-zero3] of the same test (world 2 and 3), and "
+        "tests/train/test_expert_trainer.py::test_expert_parallel_losses_equal_one_process[ep4-zero1] "
+        "(world 4)",
+    ),
+    (
         "tests/interop/test_parallelize_families.py::test_mistral_and_qwen2_loops_equal_one_process[dp2-tp2-sp]",
         "[tp2] of the same test (the same families in the world-2 pool) and "
         "test_parallelize.py::test_qwen2_tied_tp2_sp_with_biases_equals_one_process (the plan with SP)",

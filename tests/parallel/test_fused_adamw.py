@@ -200,7 +200,7 @@ def _train(ctx, impl, zero, dtype, *, variant=None, steps=3, micro=2):
     model = models.build_model(_config())
     units = "layers" if zero == 3 else None
     hp = dict(lr=1e-2, weight_decay=0.1, impl=impl, units=units)
-    dp, opt = build_data_parallel(model, mesh, zero=zero, bucket_mb=0.01, dtype=dtype, **hp)
+    dp, opt = build_data_parallel(model, mesh, zero=zero, bucket_mb=0.03, dtype=dtype, **hp)
     extra = variant(dp, opt) if variant else None
     rank, size = dp.group.rank, dp.group.size
     for step in range(steps):
