@@ -6,7 +6,7 @@ the model), never a whole split tensor. An untied Llama and a tied Qwen2 (its `l
 absent from the files: the embedding's tensor) run in one worker call, and the Llama at dp 2
 (tp 1: each rank reads it whole). A meta model without load_from, files lacking a tensor or
 holding another shape, and a real model with load_from are refused in one line, the model left
-as it was."""
+as it was. A custom module split by the user's own plan loads born sharded the same way."""
 
 from __future__ import annotations
 
@@ -187,3 +187,34 @@ def test_meta_model_without_load_from_or_a_tensor_is_one_line(tmp_path):
     assert "no tensor 'lm_head.weight'" in missing, missing
     assert "model.embed_tokens.weight has shape [256, 64]" in wider and "[512, 64]" in wider, wider
     assert "torch.device('meta')" in real and "already holds values" in real, real
+
+
+def job_plan_born_sharded(ctx, path: str):
+    """A custom module split by a plan of the user's, born on meta and loaded from `path`: each
+    parameter equals the whole-loaded model's piece, and each rank reads only what it holds."""
+    import meshspeed
+    from tests.interop.test_parallelize import TINYNET_PLAN, tiny_net
+
+    mesh = comm.ParallelDims(tp=2).build(ctx)
+    with torch.device("meta"):
+        born = tiny_net()
+    with counting_reads() as reads:
+        born, _ = meshspeed.parallelize(born, mesh, plan=TINYNET_PLAN, load_from=path)
+    whole, _ = meshspeed.parallelize(tiny_net(), mesh, plan=TINYNET_PLAN)
+    pairs = zip(born.named_parameters(), whole.named_parameters(), strict=True)
+    same = {n: torch.equal(p, q) for (n, p), (_, q) in pairs}
+    split = {n for n, p in whole.named_parameters() if p.shape != tiny_net().get_parameter(n).shape}
+    held = sum(p.numel() * p.element_size() for p in born.parameters())
+    return same, split, sum(b for _, b in reads), held
+
+
+def test_a_plan_of_your_own_is_born_sharded_too(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.interop.test_parallelize import tiny_net
+
+    save_file(tiny_net().state_dict(), str(tmp_path / "model.safetensors"))
+    for same, split, read, held in harness.run(2, job_plan_born_sharded, str(tmp_path), timeout=120):
+        assert same and all(same.values()), same
+        assert {"blocks.0.fc1.weight", "blocks.1.fc2.weight", "head.weight"} <= split, split
+        assert read == held, (read, held)  # the plan's pieces only, never a whole split tensor
