@@ -56,8 +56,9 @@ def tiny_llama(family: str = "llama") -> nn.Module:
     }[family]
     if family == "qwen2":
         common["tie_word_embeddings"] = True  # the head and the embedding split alike, one Parameter
-    if family == "qwen2-untied":
-        common["tie_word_embeddings"] = False  # q/k/v biases, and a head of its own
+    if family == "qwen2-untied":  # q/k/v biases, a head of its own, and layer 1 of 2 windowed
+        common.update(tie_word_embeddings=False, use_sliding_window=True, sliding_window=WINDOW)
+        common["max_window_layers"] = 1  # Qwen2 windows the layers from this index on
     if family == "mistral":
         common["sliding_window"] = WINDOW  # shorter than SEQ, so the window changes the loss
     if family == "mixtral":  # 6 experts, 2 per token: ep 2 and 3 each leave every member experts

@@ -1,5 +1,6 @@
 """`meshspeed.parallelize` on a `transformers` MistralForCausalLM (a sliding window shorter than
-the sequence) and an untied Qwen2ForCausalLM (q/k/v biases, its own head): the plain loop of
+the sequence) and an untied Qwen2ForCausalLM (q/k/v biases, its own head, a full-attention layer
+then a sliding-window one): the plain loop of
 test_parallelize.py at tp 2 and at dp 2 × tp 2 with sequence parallelism gives the losses and
 gradient norms of the same loop on one process within 1e-5, and `save_pretrained` of
 `gather_for_save` loads with `from_pretrained` and gives the one-process model's logits. Both
@@ -56,9 +57,12 @@ def test_mistral_and_qwen2_loops_equal_one_process(tmp_path, ws, dims, kw):
 
 
 @needs_hf
-def test_the_mistral_window_is_live_and_the_qwen2_biases_are_split():
-    """What the parity above exercises: Mistral's window changes its logits at SEQ (so a tp path
-    that lost it would differ), and the untied Qwen2's plan splits q/k/v with their biases."""
+def test_the_windows_are_live_and_the_qwen2_biases_are_split():
+    """What the parity above exercises: Mistral's window and Qwen2's windowed layer change their
+    logits at SEQ (so a tp path that lost either would differ), and the untied Qwen2's plan
+    splits q/k/v with their biases."""
+    import transformers
+
     from meshspeed.interop.hf_plan import hf_recipe
 
     mistral = tiny_llama("mistral")
@@ -70,6 +74,12 @@ def test_the_mistral_window_is_live_and_the_qwen2_biases_are_split():
     assert (windowed - full).abs().max() > 1e-3
 
     qwen = tiny_llama("qwen2-untied")
+    assert qwen.config.layer_types == ["full_attention", "sliding_attention"], qwen.config.layer_types
+    unwindowed = qwen.config.to_dict() | dict(use_sliding_window=False, layer_types=None)
+    plain = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**unwindowed)).float()
+    plain.load_state_dict(qwen.state_dict())
+    with torch.no_grad():
+        assert (qwen(input_ids=x).logits - plain(input_ids=x).logits).abs().max() > 1e-3
     assert qwen.model.layers[0].self_attn.q_proj.bias is not None
     plan = dict(hf_recipe(qwen, 2, sequence_parallel=False).tp_plan)
     for proj in ("q_proj", "k_proj", "v_proj"):
