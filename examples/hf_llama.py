@@ -2,6 +2,9 @@
 
     meshspeed run --nproc 4 examples/hf_llama.py          # dp 2 × tp 2, sequence parallel
     meshspeed run --nproc 2 examples/hf_llama.py --tp 1   # dp 2 alone
+
+It ends by writing the trained model with save_pretrained to ./hf_llama_out (--save DIR), which
+transformers' from_pretrained loads.
 """
 
 import argparse
@@ -15,7 +18,7 @@ from meshspeed import comm
 cli = argparse.ArgumentParser()
 cli.add_argument("--tp", type=int, default=2)
 cli.add_argument("--steps", type=int, default=10)
-cli.add_argument("--save", help="a directory for save_pretrained")
+cli.add_argument("--save", default="hf_llama_out", help="where save_pretrained writes (default hf_llama_out)")
 args = cli.parse_args()
 
 ctx = comm.init()
@@ -42,5 +45,5 @@ for step in range(args.steps):
         print(f"step {step} loss {loss.item():.6f} grad_norm {norm.item():.6f}", flush=True)
 
 state = meshspeed.gather_for_save(model)  # whole tensors on every rank (collective)
-if args.save and ctx.rank == 0:
+if ctx.rank == 0:
     model.save_pretrained(args.save, state_dict=state)  # transformers' from_pretrained loads it

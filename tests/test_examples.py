@@ -20,9 +20,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BOUND = 300
 
 
-def _run(tmp_path, script: str, *args: str) -> list[tuple[float, ...]]:
-    """Run the example on 4 workers; the numbers of each `step` line rank 0 printed."""
-    cmd = [sys.executable, "-m", "meshspeed", "run", "--nproc", "4", str(ROOT / "examples" / script), *args]
+def _run(tmp_path, script: str) -> list[tuple[float, ...]]:
+    """Run the example on 4 workers with no argument of its own; the numbers of each `step`
+    line rank 0 printed."""
+    cmd = [sys.executable, "-m", "meshspeed", "run", "--nproc", "4", str(ROOT / "examples" / script)]
     e = env()
     e["PYTHONPATH"] = str(ROOT) + (":" + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
     p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=BOUND)
@@ -46,7 +47,7 @@ def test_custom_module_example_trains_under_zero2(tmp_path):
 def test_hf_llama_example_equals_one_process_and_saves(tmp_path):
     import transformers
 
-    rows = _run(tmp_path, "hf_llama.py", "--save", "out")  # dp 2 × tp 2 + SP by default
+    rows = _run(tmp_path, "hf_llama.py")  # dp 2 × tp 2 + SP, saved to hf_llama_out, by default
     # the example's loop on one process, without meshspeed
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -70,7 +71,7 @@ def test_hf_llama_example_equals_one_process_and_saves(tmp_path):
         opt.step()
         opt.zero_grad()
         assert abs(loss_norm[0] - loss.item()) < 1e-5 and abs(loss_norm[1] - norm.item()) < 1e-5
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_llama_out"))
     x = tokens[:2]
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, model(input_ids=x).logits, atol=1e-5, rtol=0)
