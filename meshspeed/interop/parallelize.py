@@ -43,9 +43,17 @@ from meshspeed import comm
 from meshspeed.comm import placement
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.recipe import PipelineUnits, Recipe
-from meshspeed.interop import hf_experts, load_sharded
-from meshspeed.interop.hf_plan import EXTRA_STYLES, HF_CLASSES, hf_recipe, sequence_hooks, tied_pairs
+from meshspeed.interop import hf_experts, hf_loss, load_sharded
+from meshspeed.interop.hf_plan import (
+    EXTRA_STYLES,
+    HF_CLASSES,
+    hf_model_config,
+    hf_recipe,
+    sequence_hooks,
+    tied_pairs,
+)
 from meshspeed.kernels.loss import cross_entropy_loss
+from meshspeed.memory.recompute import apply_recompute
 from meshspeed.parallel import optim, tensor
 from meshspeed.parallel.data import DataParallel
 from meshspeed.parallel.optim import ZeroAdamW, build_data_parallel
@@ -92,6 +100,32 @@ def _mesh(dims, ctx) -> comm.Mesh:
                 "(dp, tp, ep and ZeRO are); use `meshspeed train` for pipeline and context parallelism"
             )
     return mesh
+
+
+RECOMPUTE = ("none", "full")
+
+
+def _check_memory(model: nn.Module, recompute: str, chunked_loss: bool) -> None:
+    """One line for a memory option this model cannot take (before anything changes)."""
+    if recompute not in RECOMPUTE:
+        raise ConfigError(
+            f"parallelize: recompute={recompute!r} is not known; valid: {', '.join(map(repr, RECOMPUTE))} "
+            "('full': each block runs again in backward, keeping only its input)"
+        )
+    if not chunked_loss:
+        return
+    name = type(model).__name__
+    if hf_model_config(model) is None:
+        raise ConfigError(
+            f"parallelize: chunked_loss=True needs a Hugging Face causal LM ({', '.join(HF_CLASSES)}, "
+            f"MixtralForCausalLM) whose forward takes labels=; {name} computes its own loss, so chunk "
+            "it there (meshspeed.kernels.linear_ce.linear_cross_entropy) or pass chunked_loss=False"
+        )
+    if getattr(model.config, "output_router_logits", False):
+        raise ConfigError(
+            f"parallelize: chunked_loss=True on {name} with output_router_logits=True: the balancing "
+            "loss is added by its own forward; set output_router_logits=False or chunked_loss=False"
+        )
 
 
 def _check_experts(model: nn.Module, mesh: comm.Mesh, load_from) -> bool:
@@ -145,16 +179,17 @@ def _custom_recipe(model: nn.Module, blocks: str | None) -> Recipe:
 
 
 def _blocks(model: nn.Module, given: str | None) -> str:
-    """ZeRO-3's unit container: given, or the first ModuleList / ModuleDict holding parameters
-    (`model.layers` of a Hugging Face causal LM)."""
+    """The blocks ZeRO-3 gathers and recompute reruns: given, or the first ModuleList /
+    ModuleDict holding parameters (`model.layers` of a Hugging Face causal LM)."""
     if given:
         return given
     for name, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) and any(True for _ in m.parameters()):
             return name
     raise ConfigError(
-        f"parallelize: zero=3 gathers the parameters one block at a time, and {type(model).__name__} "
-        "has no ModuleList / ModuleDict of blocks; pass blocks='<name of the container>' or use zero=2"
+        f"parallelize: zero=3 and recompute work one block at a time, and {type(model).__name__} "
+        "has no ModuleList / ModuleDict of blocks; pass blocks='<name of the container>' (or zero<3, "
+        "recompute='none')"
     )
 
 
@@ -174,6 +209,8 @@ def parallelize(
     no_decay=None,
     bucket_mb: float = 25.0,
     load_from: str | None = None,
+    recompute: str = "none",
+    chunked_loss: bool = False,
 ) -> tuple[nn.Module, ZeroAdamW]:
     """Split `model` in place over `dims` and return it with its AdamW.
 
@@ -194,6 +231,10 @@ def parallelize(
     load_from: a directory `save_pretrained` wrote, for a model built under
     `torch.device("meta")`: each rank reads only its own slices of the weights after the split
     (interop/load_sharded.py), so none ever holds the whole model.
+    recompute: "full" keeps only each block's input for backward and runs the block again there
+    (activation checkpointing of every block of `blocks`); "none" keeps everything.
+    chunked_loss: a Hugging Face causal LM's `labels=` loss is taken a chunk of rows at a time
+    without the full logits (interop/hf_loss.py; `.logits` is None when labels are given).
     """
     if hasattr(model, ATTR):
         raise ConfigError("parallelize: this model was parallelized already; pass the single-device model")
@@ -208,7 +249,8 @@ def parallelize(
         )
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
-    units = _blocks(model, blocks) if zero == 3 else None
+    units = _blocks(model, blocks) if zero == 3 or recompute != "none" else None
+    _check_memory(model, recompute, chunked_loss)
     split_ep = _check_experts(model, mesh, load_from)
     loading = load_sharded.plan_load(model, load_from) if load_sharded.check_meta(model, load_from) else None
     # tp = 1 needs no recipe: dp / ZeRO place any module (ZeRO-3's blocks: _blocks finds them)
@@ -226,6 +268,10 @@ def parallelize(
         hooks = sequence_hooks(model, mesh["tp"])
     if split_ep:  # each member keeps its block of experts; DataParallel reduces them over edp
         hf_experts.split_experts(model, mesh["ep"])
+    if recompute == "full":  # the block's forward, inside its module hooks (ZeRO-3, SP split)
+        apply_recompute(model, "full", layers_attr=units)
+    if chunked_loss:  # after the split: the head is then this rank's slice of the vocabulary
+        hf_loss.chunk_loss_forward(model)
     dp, opt = build_data_parallel(
         model,
         mesh,
@@ -237,7 +283,7 @@ def parallelize(
         eps=eps,
         weight_decay=weight_decay,
         no_decay=no_decay or (lambda name, p: False),
-        units=units,
+        units=units if zero == 3 else None,
     )
     object.__setattr__(model, ATTR, Parallelized(mesh, dp, applied, sequence_parallel, hooks))
     return model, opt

@@ -73,8 +73,9 @@ def _is_swiglu(m: nn.Module) -> bool:
 
 
 def _blocks(model: nn.Module, layers_attr: str) -> list[nn.Module]:
-    container = getattr(model, layers_attr, None)
-    if container is None:
+    try:  # a dotted path too: a Hugging Face model's blocks are `model.layers`
+        container = model.get_submodule(layers_attr)
+    except AttributeError:
         return []
     return list(container.values() if isinstance(container, nn.ModuleDict) else container)
 

@@ -137,12 +137,14 @@ def one_process(kind: str, steps: int = STEPS, eps: float = 1e-8):
     return losses, norms, logits_of(model, hf), model.state_dict()
 
 
-def job_loop(ctx, kind: str, dims: dict, kw: dict, out: str | None, steps: int = STEPS):
-    """The same loop through meshspeed.parallelize; rank 0 saves with save_pretrained."""
+def job_loop(ctx, kind: str, dims: dict, kw: dict, out: str | None, steps: int = STEPS, model=None):
+    """The same loop through meshspeed.parallelize (of `model`, default a new one of `kind`);
+    rank 0 saves with save_pretrained."""
     import meshspeed
 
     hf = kind != "net"
-    model = tiny_llama(kind) if hf else tiny_net()
+    if model is None:
+        model = tiny_llama(kind) if hf else tiny_net()
     mesh = comm.ParallelDims(**dims).build(ctx)
     model, opt = meshspeed.parallelize(model, mesh, lr=LR, **kw)
     st = model.meshspeed
