@@ -90,3 +90,34 @@ def test_options_a_model_cannot_take_are_one_line():
         for (msg, untouched), (kind, kw, words) in zip(rank_result, REFUSED):
             assert msg is not None and "\n" not in msg and all(w in msg for w in words), (kw, msg)
             assert untouched, kw
+
+
+@needs_hf
+def test_chunked_loss_holds_less_than_the_logits_it_never_makes():
+    """Counted bytes (torch.profiler's memory events), one process: a forward and backward of a
+    one-layer Llama whose logits are 2 MiB holds at least 1.5 logits' worth less at its peak
+    with chunked_loss (Hugging Face's path keeps the logits, their log-softmax and then their
+    gradient)."""
+    import torch
+    import transformers
+
+    import meshspeed
+    from meshspeed.memory.count import cpu_peak_bytes
+
+    ctx = comm.init()
+    config = transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    x = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(0))
+    peak = {}
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).float()
+        model, opt = meshspeed.parallelize(model, comm.ParallelDims().build(ctx), chunked_loss=chunked)
+        model(input_ids=x, labels=x).loss.backward()  # first use: lazily built state is not counted
+        opt.zero_grad()
+        peak[chunked] = cpu_peak_bytes(lambda: model(input_ids=x, labels=x).loss.backward())
+        opt.zero_grad()
+    logits = x.numel() * 2048 * 4
+    assert peak[False] - peak[True] > 1.5 * logits, (peak, logits)
