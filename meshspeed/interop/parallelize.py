@@ -21,6 +21,8 @@ What is split and how:
 Then, for all of them, the trainer's data parallelism (buckets reduced during backward, ZeRO-1/2/3,
 parallel/data.py, zero3.py) and its AdamW (parallel/optim.py), which is torch.optim.AdamW's
 update; every parameter is decayed as torch's is unless `no_decay(name, param)` says otherwise.
+Memory options: recompute="full" (memory/recompute.py, each block rerun in backward) and, for
+the Hugging Face causal LMs, chunked_loss (interop/hf_loss.py, the labels= loss without logits).
 
 A model that is not recognised, with tp > 1 and no plan, is refused with one line naming a
 module that nothing placed.
