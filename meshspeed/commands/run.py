@@ -136,11 +136,15 @@ def preloadable(path: str) -> dict[str, set[str]]:
 def preload(libraries: dict[str, set[str]]) -> None:
     """Import each library and touch the names the script takes from it, so that a lazy package's
     modules (transformers.LlamaForCausalLM) are loaded once here rather than in every worker. A
-    name that is missing is left for the worker to fail on, with its own message."""
+    library that does not import, or a name that is missing, is left for the worker to fail on,
+    with its own message and traceback."""
     import importlib
 
     for name, attrs in libraries.items():
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - reported by the worker that imports it
+            continue
         for attr in sorted(attrs):
             try:
                 getattr(module, attr)

@@ -189,7 +189,7 @@ def test_workers_share_the_launchers_imports_unless_spawn_is_asked(start, tmp_pa
 
 
 def test_what_the_launcher_preloads_is_read_from_the_script_never_run(tmp_path, monkeypatch):
-    from meshspeed.commands.run import preloadable
+    from meshspeed.commands.run import preload, preloadable
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text(
@@ -205,3 +205,4 @@ def test_what_the_launcher_preloads_is_read_from_the_script_never_run(tmp_path, 
     assert not (tmp_path / "ran").exists()
     (tmp_path / "broken.py").write_text("import torch\ndef (:\n")
     assert preloadable("broken.py") == {}
+    preload({"meshspeed_has_no_such_module": {"x"}, "torch": {"no_such_name"}})  # left to the worker
