@@ -154,7 +154,7 @@ def preload(libraries: dict[str, set[str]]) -> None:
 
 def fork_allowed(method: str) -> bool:
     """Whether the workers may be forked: `auto` on a machine where torch sees no GPU (a CUDA
-    context must never be inherited; counting devices creates none). spawn.start_method still
+    context must never be inherited; counting devices creates none). launch.start_method still
     falls back to fresh interpreters if the launcher is not single-threaded after preloading."""
     if method != "auto":
         return False
