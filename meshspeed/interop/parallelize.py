@@ -251,8 +251,8 @@ def parallelize(
         )
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
-    units = _blocks(model, blocks) if zero == 3 or recompute != "none" else None
     _check_memory(model, recompute, chunked_loss)
+    units = _blocks(model, blocks) if zero == 3 or recompute != "none" else None
     split_ep = _check_experts(model, mesh, load_from)
     loading = load_sharded.plan_load(model, load_from) if load_sharded.check_meta(model, load_from) else None
     # tp = 1 needs no recipe: dp / ZeRO place any module (ZeRO-3's blocks: _blocks finds them)
