@@ -450,7 +450,7 @@ _ENTRIES: list[tuple[str, str]] = [
     ),
     (
         "tests/interop/test_parallelize_experts.py::test_mixtral_expert_parallel_loop_equals_one_process[dp4-ep2-zero2]",
-        "[ep2] and [ep3-zero3] of the same test (world 2 and 3), and "
+        "[ep2] and [ep3-zero3-mem] of the same test (world 2 and 3), and "
         "tests/train/test_expert_trainer.py::test_expert_parallel_losses_equal_one_process[ep4-zero1] "
         "(world 4)",
     ),

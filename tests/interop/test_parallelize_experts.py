@@ -28,7 +28,10 @@ def job_experts(ctx, dims: dict, kw: dict, out: str):
     [
         pytest.param(2, dict(dp=2, ep=2), dict(zero=1), id="ep2"),
         pytest.param(4, dict(dp=4, ep=2), dict(zero=2), id="dp4-ep2-zero2"),
-        pytest.param(3, dict(dp=3, ep=3), dict(zero=3), id="ep3-zero3"),
+        # and the memory options with experts: each block rerun, the loss without logits
+        pytest.param(
+            3, dict(dp=3, ep=3), dict(zero=3, recompute="full", chunked_loss=True), id="ep3-zero3-mem"
+        ),
     ],
 )
 def test_mixtral_expert_parallel_loop_equals_one_process(tmp_path, ws, dims, kw):
