@@ -149,7 +149,8 @@ def test_help_explains_the_command(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     out = capsys.readouterr().out
-    for needed in ("--max-restarts", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT", "killed by SIGKILL"):
+    needed_words = ("--max-restarts", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT", "killed by SIGKILL")
+    for needed in (*needed_words, "--start-method", "fresh interpreters"):
         assert needed in out, needed
 
 
