@@ -80,11 +80,12 @@ def zero_redundancy_adamw(model, group, impl: str = "fused"):
     )
 
 
-def fsdp2(model, mesh, reshard_after_forward: bool, param_dtype: torch.dtype | None = None):
-    """FSDP2: fully_shard(block) for every block, then fully_shard(model), over the 1-D
-    DeviceMesh `mesh`. reshard_after_forward=True is ZeRO-3's schedule (gather per block in
-    forward and again in backward); False gathers once per step (ZeRO-2's traffic). param_dtype:
-    MixedPrecisionPolicy(param_dtype, reduce_dtype=float32), torch's bf16 idiom."""
+def fsdp2(model, mesh, reshard_after_forward: bool, param_dtype: torch.dtype | None = None, blocks=None):
+    """FSDP2: fully_shard(block) for every block (`blocks`, default meshspeed's `model.layers`),
+    then fully_shard(model), over the 1-D DeviceMesh `mesh`. reshard_after_forward=True is
+    ZeRO-3's schedule (gather per block in forward and again in backward); False gathers once
+    per step (ZeRO-2's traffic). param_dtype: MixedPrecisionPolicy(param_dtype,
+    reduce_dtype=float32), torch's bf16 idiom."""
     # torch >= 2.6 exports it from torch.distributed.fsdp
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -94,7 +95,7 @@ def fsdp2(model, mesh, reshard_after_forward: bool, param_dtype: torch.dtype | N
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if param_dtype is not None and param_dtype != torch.float32:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in model.layers.values():
+    for layer in model.layers.values() if blocks is None else blocks:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     return model
