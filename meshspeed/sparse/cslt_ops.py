@@ -12,9 +12,13 @@ activations: cuSPARSELt reads a transposed operand in place) and takes the trans
 y = x W~^T and dX = dY W~ come out [tokens, features] with no transpose or copy on the path.
 
 Compression goes through the fused Triton kernel (kernels.py) once it has matched
-torch._cslt_compress byte for byte at that shape on this GPU (one check per shape and dtype);
-otherwise (another architecture's layout, a shape off the 64 grid, no Triton) through
-torch._cslt_compress, once for W~ and once for a transposed copy of it, off the product path.
+torch._cslt_compress byte for byte at that shape on this GPU (one check per shape and dtype).
+Otherwise (another architecture's layout, a shape off the 64 grid, no Triton, or a compiled
+kernel that writes other bytes: seen on an H200 with triton 3.6) the fallback is chosen once per
+shape by measurement: the same layout in plain torch (cslt_layout.compress_reference, a few
+elementwise passes), when it too matches torch._cslt_compress byte for byte here, or
+torch._cslt_compress itself (30-117 ms a matrix at 8B/70B MLP shapes on the H200), whichever
+compressed W and W^T faster; each once for W~ and once for W~^T, off the product path.
 
 ReferenceCsltOps implements the contract on any device in plain torch (decompress, then a dense
 matmul) so the sparse path's wiring is tested on CPU.
@@ -46,6 +50,7 @@ class CsltOps:
 
     def __init__(self) -> None:
         self.fused_misfit: dict[tuple, str] = {}  # (shape, dtype, device) -> why not fused ('' = fused)
+        self.fallback: dict[tuple, str] = {}  # (shape, dtype, device) -> "reference" | "cusparselt"
 
     @staticmethod
     def runs_on(device: torch.device) -> bool:
@@ -73,10 +78,10 @@ class CsltOps:
         if not self.why_not_fused(tuple(weight.shape), dtype, weight.device):
             return kernels.mask_and_compress(weight, mask, dtype=dtype, want_w=want_w, want_t=want_t)
         mask = transposable_2to4_mask(weight) if mask is None else mask
-        wm = weight.detach().to(dtype) * mask
-        w = torch._cslt_compress(wm) if want_w else None
-        wt = torch._cslt_compress(wm.t().contiguous()) if want_t else None
-        return kernels.Sparse24(w, wt, mask)
+        key = (tuple(weight.shape), dtype, weight.device)
+        if key not in self.fallback:
+            self.fallback[key] = choose_fallback(tuple(weight.shape), dtype, weight.device)
+        return fallback_compress(self.fallback[key], weight, mask, dtype, want_w, want_t)
 
     @staticmethod
     def accepts(dense_b: torch.Tensor) -> bool:
@@ -96,10 +101,7 @@ def self_check(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
     torch._cslt_compress: '' when W and W^T match byte for byte, else what differed. Random
     values are never zero, so cuSPARSELt sees exactly the mask's positions."""
     try:
-        g = torch.Generator(device=device).manual_seed(0)
-        w = torch.rand(shape, generator=g, device=device) + 0.5
-        w = torch.where(torch.rand(shape, generator=g, device=device) < 0.5, -w, w).to(dtype)
-        mask = transposable_2to4_mask(w)
+        w, mask = _random_24(shape, dtype, device)
         mine = kernels.mask_and_compress(w, mask, dtype=dtype)
         wm = w * mask
         ref_w, ref_t = torch._cslt_compress(wm), torch._cslt_compress(wm.t().contiguous())
@@ -111,6 +113,70 @@ def self_check(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
         if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
             return f"{what}: this GPU's cuSPARSELt layout differs from the sm90 one the kernel writes"
     return ""
+
+
+def fallback_compress(path: str, weight, mask, dtype, want_w: bool, want_t: bool, cslt=None):
+    """W~ and W~^T of weight under `mask` through `path`: "reference" (the layout in plain torch)
+    or "cusparselt" (torch._cslt_compress; `cslt` stands in for it in tests)."""
+    wm = weight.detach().to(dtype) * mask
+    if path == "reference":
+        maskb = mask.bool()
+        w = cslt_layout.compress_reference(wm, maskb) if want_w else None
+        wt = cslt_layout.compress_reference(wm.t().contiguous(), maskb.t().contiguous()) if want_t else None
+        return kernels.Sparse24(w, wt, mask)
+    cslt = cslt or torch._cslt_compress
+    w = cslt(wm) if want_w else None
+    wt = cslt(wm.t().contiguous()) if want_t else None
+    return kernels.Sparse24(w, wt, mask)
+
+
+def _time_ms(fn, device: torch.device) -> float:
+    """One call of fn after a warm one, in ms (CUDA events on a GPU; the wall clock elsewhere)."""
+    fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def choose_fallback(
+    shape: tuple[int, int], dtype: torch.dtype, device: torch.device, cslt=None, time_ms=_time_ms
+) -> str:
+    """The faster correct fallback for this shape: "reference" when compress_reference writes
+    the bytes torch._cslt_compress writes here (W and W^T of a random transposable 2:4 matrix)
+    and compressed both in less time, else "cusparselt". `cslt` and `time_ms` are injectable
+    (tests: a stand-in layout, scripted timings)."""
+    if cslt_layout.misfit(*shape):
+        return "cusparselt"  # the reference layout needs whole 64-row bands
+    try:
+        w, mask = _random_24(shape, dtype, device)
+        ref = fallback_compress("reference", w, mask, dtype, True, True)
+        theirs = fallback_compress("cusparselt", w, mask, dtype, True, True, cslt)
+    except Exception:  # noqa: BLE001 - any failure: cuSPARSELt's own compression
+        return "cusparselt"
+    for a, b in ((ref.w, theirs.w), (ref.wt, theirs.wt)):
+        if a.numel() != b.numel() or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+            return "cusparselt"
+    t_ref = time_ms(lambda: fallback_compress("reference", w, mask, dtype, True, True), device)
+    t_cslt = time_ms(lambda: fallback_compress("cusparselt", w, mask, dtype, True, True, cslt), device)
+    return "reference" if t_ref < t_cslt else "cusparselt"
+
+
+def _random_24(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random matrix with no zero (so cuSPARSELt keeps exactly the mask's positions) and
+    its transposable 2:4 mask."""
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.rand(shape, generator=g, device=device) + 0.5
+    w = torch.where(torch.rand(shape, generator=g, device=device) < 0.5, -w, w).to(dtype)
+    return w, transposable_2to4_mask(w)
 
 
 class ReferenceCsltOps:
