@@ -45,7 +45,10 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         self.group, self.n_experts, self.act_fn = group, experts.num_experts, experts.act_fn
         # "auto": torch._grouped_mm where meshspeed's own experts measured it faster than a loop
-        # over experts (models/moe.py: CUDA bf16 on Hopper, the CPU), else the loop; "loop"
+        # over experts (models/moe.py: CUDA bf16 on Hopper, the CPU), else the loop; "loop":
+        # always Hugging Face's loop over experts
+        if impl not in ("auto", "loop"):
+            raise ValueError(f"expert impl={impl!r} is not known; valid: 'auto', 'loop'")
         self.impl = impl
         # an ep that leaves a member without experts is shard_tensor's one-line error
         self.gate_up_proj = shard_parameter(experts.gate_up_proj, "ep", Shard(0), group)
