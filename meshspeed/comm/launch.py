@@ -206,6 +206,11 @@ def _death(rank: int, code: int) -> str:
     return f"rank {rank} exited with code {code} without reporting an error"
 
 
+def _when(report) -> float:
+    """When a rank's report was made (run_worker's 5th field); inf when the report has none."""
+    return report[4] if report and len(report) > 4 else math.inf
+
+
 class _Watch:
     """The launcher's view of its workers: reports, exit codes, the first failure."""
 
@@ -244,7 +249,7 @@ class _Watch:
         )
         # the earliest report first (a plain torch.distributed error on the peer of a rank that
         # raised is not marked as an echo, and both reports often arrive within one poll)
-        reports = sorted(self.reports.items(), key=lambda kv: (kv[1][4] if kv[1] else math.inf, kv[0]))
+        reports = sorted(self.reports.items(), key=lambda kv: (_when(kv[1]), kv[0]))
         for echo_ok in (False, True) if settled else (False,):
             for r, rep in reports:
                 if rep and rep[2] == echo_ok:
