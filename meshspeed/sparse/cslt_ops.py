@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from meshspeed.sparse import cslt_layout, kernels
+from meshspeed.sparse import choice, cslt_layout, kernels
 from meshspeed.sparse.transposable import transposable_2to4_mask
 
 
@@ -131,20 +131,8 @@ def fallback_compress(path: str, weight, mask, dtype, want_w: bool, want_t: bool
 
 
 def _time_ms(fn, device: torch.device) -> float:
-    """One call of fn after a warm one, in ms (CUDA events on a GPU; the wall clock elsewhere)."""
-    fn()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    import time
-
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    """Median ms of fn() (choice.time_ms: CUDA events on a GPU, the wall clock elsewhere)."""
+    return choice.time_ms("compress", fn, device, iters=3, warmup=1)
 
 
 def choose_fallback(
