@@ -137,6 +137,14 @@ def run(args) -> int:
                 section, _, name = key.partition(".")
                 fixed[key] = getattr(getattr(cfg, section), name)
 
+        for key, value in (("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer)):
+            if value and value != "bytes" and not os.path.exists(value):  # planning reads no tokens
+                print(
+                    f"meshspeed plan: note: {key}={value!r} not found here; planned without it "
+                    "(training needs it)",
+                    file=sys.stderr,
+                )
+
         def progress(i, n):
             if sys.stderr.isatty():
                 print(f"\rmeshspeed plan: structure {i + 1}/{n}", end="", file=sys.stderr, flush=True)

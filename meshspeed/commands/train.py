@@ -86,7 +86,8 @@ def run(args) -> int:
         cfg = config.load(args.config, overrides)
         # The whole run, resolved and checked once, before any worker starts (under torchrun,
         # in each rank before it joins the job): a bad setting costs one line.
-        plan = make_plan(cfg, world_size(cfg), ranks=args.dry_run)
+        # A dry run plans and reads no tokens: a missing data file is a note in the plan.
+        plan = make_plan(cfg, world_size(cfg), ranks=args.dry_run, need_data=not args.dry_run)
         if args.dry_run:
             if not quiet:
                 print(json.dumps(plan.to_dict()) if args.json else describe(plan))

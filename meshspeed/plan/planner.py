@@ -248,7 +248,8 @@ def evaluate(cfg, world: int, machine: Machine, settings: dict, headroom: float 
     {'settings', 'rejected': the run plan's line, or the memory that does not fit}."""
     try:
         c = apply_settings(cfg, settings, world)
-        plan = make_plan(c, world, ranks=False, local_gpus=0, local_ranks=0)
+        # planning reads no tokens: a data file that is not here yet is no reason to refuse
+        plan = make_plan(c, world, ranks=False, local_gpus=0, local_ranks=0, need_data=False)
     except ConfigError as err:
         return {"settings": settings, "rejected": str(err)}
     counts = rank_counts(c, plan)

@@ -175,11 +175,22 @@ def _check_run_dir(cfg) -> None:
         raise ConfigError(f"run.dir={d!r} is inside {parent!r}, which is a file; give a directory")
 
 
-def _check_data(cfg, config: ModelConfig) -> None:
+def _check_data(cfg, config: ModelConfig, need: bool = True) -> str | None:
+    """Refuse data the run cannot read; with `need=False` (a dry run, the planner: they plan,
+    they read no tokens) a missing data file or tokenizer is returned as a note instead."""
     from meshspeed.data.loader import check_token_data
     from meshspeed.data.tokenizer import check_vocab, load_tokenizer
 
     d = cfg.data
+    if not need:
+        missing = [
+            f"{k}={v!r}"
+            for k, v in (("data.path", d.path), ("data.tokenizer", d.tokenizer))
+            if v and v != "bytes" and not os.path.exists(v)
+        ]
+        if missing:
+            it = "them" if len(missing) > 1 else "it"
+            return f"{' and '.join(missing)} not found here; planned without {it} (training needs {it})"
     if d.path and not os.path.exists(d.path):
         raise ConfigError(
             f"data.path={d.path!r} does not exist; give a text file or directory, or a token file "
@@ -189,6 +200,7 @@ def _check_data(cfg, config: ModelConfig) -> None:
     check_vocab(tok, config.vocab_size)
     # token files: format/tokenizer/vocabulary against the sidecar, every id < vocab_size
     check_token_data(d.path, d.format, config.vocab_size, tok)
+    return None
 
 
 # --- per-rank parameter counts -----------------------------------------------------------------
@@ -286,6 +298,7 @@ def make_plan(
     ranks: bool = True,
     local_gpus: int | None = None,
     local_ranks: int | None = None,
+    need_data: bool = True,
 ) -> RunPlan:
     """Resolve and check the whole run for `world_size` ranks. `ranks=False` skips the per-rank
     table (a worker that was handed no plan needs only the layout and the model). `local_gpus`,
@@ -300,7 +313,7 @@ def make_plan(
     config = with_moe_settings(cfg, config)
     _check_model(cfg, config, recipe)
     layouts, sim = check_pipeline(cfg, recipe, microbatches)
-    _check_data(cfg, config)
+    data_note = _check_data(cfg, config, need_data)
     plan = RunPlan(
         config=cfg.to_dict(),
         world_size=world_size,
@@ -321,6 +334,8 @@ def make_plan(
     )
     if device.notice:
         plan.warnings.append(device.notice)
+    if data_note:
+        plan.warnings.append(data_note)
     p = cfg.parallel
     if p.pp > 1 and microbatches < p.pp:
         plan.warnings.append(
