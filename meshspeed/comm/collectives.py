@@ -37,7 +37,14 @@ def select_algo(group: Group, op: str, nbytes: int, algo: str | None, uneven: bo
     if algo in (None, "auto"):
         forced = group.ctx.forced_algos
         algo = forced.get(op) or (forced["*"] if forced.get("*") in cost_model.ALGOS[op] else None)
+        if algo is not None and algo not in cost_model.candidates(op, group.nodes, uneven):
+            # MESHSPEED_ALGO names an algorithm for every call of the op; where one call cannot
+            # run it (native with uneven chunks, hier on one node) that call is chosen as usual
+            # rather than failing a run the user only meant to steer.
+            algo = None
     if algo in (None, "auto"):
+        if group.algo_params is not group.ctx.link_params:  # new parameters: new choices
+            group.algo_choices, group.algo_params = {}, group.ctx.link_params
         key = (op, nbytes, uneven)
         if key not in group.algo_choices:
             group.algo_choices[key] = cost_model.choose(

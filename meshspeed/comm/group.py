@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import queue
 import re
 import threading
@@ -110,6 +111,28 @@ def wait_work(work, deadline: float, plain: bool = False) -> None:
         raise
 
 
+@contextlib.contextmanager
+def _as_submitter(device: int | None, stream):
+    """Run a collective on the worker thread as the thread that submitted it would.
+
+    torch keeps grad mode, autocast, the current CUDA device and the current stream per
+    thread, and a fresh thread starts with grad mode ON. An algorithm only copies and adds
+    into buffers (it records no autograd graph), but the caller often made those buffers as
+    views inside an autograd Function's forward or under no_grad — and an in-place write to
+    such a view with grad mode on raises ("A view was created in no_grad mode and is being
+    modified inplace"). So the work runs under no_grad with autocast off (a copy must not
+    change dtype), on the submitter's device and stream (so it is ordered after the kernels
+    that produced its inputs)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if device is not None:
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+            stack.enter_context(torch.cuda.device(device))
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
+
+
 class _Worker:
     """One daemon thread running a group's asynchronous algorithm collectives in issue order.
 
@@ -132,16 +155,21 @@ class _Worker:
             item = self._q.get()
             if item is None:  # stop(): nothing after it was submitted
                 return
-            fut, fn = item
+            fut, fn, device, stream = item
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn())
+                    with _as_submitter(device, stream):
+                        fut.set_result(fn())
                 except BaseException as err:  # delivered to whoever waits on the handle
                     fut.set_exception(err)
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Queue `fn`; it runs as the submitting thread would run it (see _as_submitter)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._q.put((fut, fn))
+        device = stream = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+        self._q.put((fut, fn, device, stream))
         return fut
 
     def stop(self, timeout_s: float = 10.0) -> bool:
@@ -225,6 +253,7 @@ class Group:
         self.backend = ctx.backend
         self._worker: _Worker | None = None
         self.algo_choices: dict = {}  # memo of the cost model's algorithm choice per (op, bytes)
+        self.algo_params = None  # the link parameters those choices came from
         _CONTEXTS.add(ctx)
 
     @property
