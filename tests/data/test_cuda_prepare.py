@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -40,7 +39,8 @@ def test_prepare_leaves_the_gpu_alone(tmp_path, device):
     res = warm.run(cmd, capture_output=True, text=True, env=env, timeout=300, cold=device == "cuda")
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"cuda available {device == 'cuda'} initialized False" in res.stdout
-    tokens = np.fromfile(out, dtype=np.uint16).tolist()  # bytes tokenizer: a token is a byte
+    # bytes tokenizer: a token is a byte (read with torch: numpy is no dependency of meshspeed)
+    tokens = torch.frombuffer(bytearray(out.read_bytes()), dtype=torch.uint16).tolist()
     # every file byte for byte, each ended by the bytes tokenizer's end-of-text (0); the order is
     # the command's own (its validation documents last), checked by tests/data/test_prepare.py
     docs = bytes(tokens).split(b"\0")

@@ -68,6 +68,9 @@ def test_csltops_compresses_through_the_chosen_fallback_once_per_shape(monkeypat
     kernel did on an H200): the fallback is chosen once for the shape, and its bytes are the
     oracle's."""
     monkeypatch.setattr(torch, "_cslt_compress", sm90, raising=False)
+    # the kernel is there (whether or not Triton is installed here: the fused kernel never runs)
+    # but its self-check fails
+    monkeypatch.setattr(cslt_ops.kernels, "available", lambda: True)
     monkeypatch.setattr(cslt_ops, "self_check", lambda *a: "W: planted mismatch")
     chosen = []
     real = cslt_ops.choose_fallback
