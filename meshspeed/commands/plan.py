@@ -109,10 +109,13 @@ def calibrate(args) -> int:
         matmul_eff=1.0,  # the measured rate is already what a matmul achieves here
     )
     path = save_calibration(m)
+    if fitted:  # say where the links came from; advise `bench comm` only when there was no fit
+        where = f"links fitted by `meshspeed bench comm` ({links.source})"
+    else:
+        where = "links: the built-in defaults (run `meshspeed bench comm --nproc 4` first to fit them)"
     print(
-        f"meshspeed plan: matmul {tflops * 1e3:.1f} GFLOP/s; links from {links.source} "
-        f"(α {a * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s); stored in {path} "
-        "(run `meshspeed bench comm --nproc 4` first to fit the links)"
+        f"meshspeed plan: matmul {tflops * 1e3:.1f} GFLOP/s; {where}, "
+        f"α {a * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s; stored in {path}"
     )
     return 0
 
