@@ -103,6 +103,7 @@ class SparsityHook:
         self.regrown = 0  # weights reset by RigL/SET regrowth so far (this process)
         self.async_masks, self.threaded = False, True
         self.print_kernels = False  # build_sparsity sets it on one rank per pipeline stage
+        self.kernels_note = ""  # printed instead of the kernel table where no 2:4 kernel can run
         self.need_grad = bool(views) and views[0].need_grad
         self._pending: MaskJob | dict | None = None  # an update computed (or computing) off the step
         self.grad_comm = None  # a SparseGradComm when sparsity.sparse_grad_comm is on
@@ -125,7 +126,7 @@ class SparsityHook:
         ctl, out = self.controller, {}
         if self.print_kernels:  # the layers chose at their first forward: print once, after it
             self.print_kernels = False
-            table = kernel_report(self.model)
+            table = kernel_report(self.model) or self.kernels_note
             if table:
                 print(table, flush=True)
         if self._pending is not None:  # launched at the previous step: installed now, whatever the timing
@@ -303,6 +304,13 @@ def build_sparsity(
     hook.async_masks = section.async_masks
     # one rank per pipeline stage prints the 2:4 kernel choices (its own layers) once
     hook.print_kernels = all(c == 0 for d, c in getattr(mesh, "coords", {}).items() if d != "pp")
+    if section.kernels == "sparse" and config.use_sparse_kernels and config.nm == (2, 4) and all(
+        getattr(mod, pname).device.type != "cuda" for _, mod, pname in chosen
+    ):  # asked for, not possible here: say so once rather than fall back without a word
+        hook.kernels_note = (
+            "meshspeed: note: sparsity.kernels=sparse: 2:4 sparse kernels need a CUDA GPU "
+            "(cuSPARSELt or CUTLASS); here every product runs dense on the masked weights"
+        )
     if section.sparse_grad_comm:
         hook.grad_comm = _grad_comm(hook, dp)
     return hook
