@@ -8,7 +8,7 @@ import functools
 
 from meshspeed.comm import ConfigError
 from meshspeed.parallel.pipeline.actions import ScheduleError
-from meshspeed.parallel.pipeline.schedules import get_schedule
+from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 
 
 @functools.cache
@@ -30,11 +30,15 @@ def check(cfg, recipe, microbatches: int):
 
     p = cfg.parallel
     if p.pp == 1:
-        for key, value, default in (("vpp", p.vpp, 1), ("pp_layout", p.pp_layout, "")):
+        for key, value, default in (
+            ("vpp", p.vpp, 1),
+            ("pp_layout", p.pp_layout, ""),
+            ("pp_overlap", p.pp_overlap, False),
+        ):
             if value != default:
                 raise ConfigError(
-                    f"parallel.{key}={value!r} needs parallel.pp > 1 (pipeline stages); "
-                    f"set --parallel.pp 2 or leave parallel.{key} at {default!r}"
+                    f"parallel.{key}={_show(value)} needs parallel.pp > 1 (pipeline stages); "
+                    f"set --parallel.pp 2 or leave parallel.{key} at {_show(default)}"
                 )
         return [], None
     key = f"parallel.pp_schedule={p.pp_schedule}"
@@ -58,4 +62,31 @@ def check(cfg, recipe, microbatches: int):
             f"{key} with {microbatches} microbatches (train.global_batch_size / (micro_batch_size × dp) "
             f"= {cfg.train.global_batch_size} / {per}): {e}{hint}"
         ) from None
-    return stage_layouts(recipe, p.pp, p.vpp, p.pp_layout), sim  # raises ConfigError lines
+    if p.pp_overlap:
+        _check_overlap(p, microbatches)
+    # held where the schedule places them (DualPipeV's V: rank 0 embeds and computes the loss);
+    # the trainer builds exactly these stages, so the placement is decided here, once
+    return stage_layouts(recipe, p.pp, p.vpp, p.pp_layout, fn.placement), sim  # raises ConfigError lines
+
+
+def _show(value) -> str:
+    """A setting's value as it is typed (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _check_overlap(p, microbatches: int) -> None:
+    """parallel.pp_overlap on a schedule that has no forward/backward pair to run together at this
+    shape (1F1B: each gradient arrives just after the forward before it) would change nothing
+    while the user believes the exchanges are hidden: one line instead."""
+    from meshspeed.parallel.pipeline.pairs import overlapped
+
+    fn = get_schedule(p.pp_schedule)
+    schedule = build_schedule(p.pp_schedule, p.pp, p.vpp, microbatches)
+    _, starts = overlapped(schedule, p.pp, p.vpp, fn.placement, fn.split_backward)
+    if not any(starts):
+        raise ConfigError(
+            f"parallel.pp_overlap=true with parallel.pp_schedule={p.pp_schedule} at pp {p.pp}, "
+            f"{microbatches} micro-batches: the schedule has no independent forward/backward pair to "
+            f"overlap; use --parallel.pp_schedule dualpipev (or zero-bubble, interleaved) or leave "
+            f"parallel.pp_overlap off"
+        )

@@ -64,6 +64,12 @@ class ParallelSection:
     pp_layout: str = opt(
         "", "layers per pipeline stage, e.g. 'E,t*8|t*8|t*8|t*7,L' or '8,8,8,7' (empty = even split)"
     )
+    pp_overlap: bool = opt(
+        False,
+        "run the schedule's independent forward/backward pairs of one rank as one step each, the "
+        "backward on a helper thread, handing over at the MoE all-to-alls (DualPipeV's overlap; "
+        "same numbers; needs parallel.pp > 1)",
+    )
     pp_trace: bool = opt(
         False,
         "record the last step's pipeline timeline: run.dir/pp_trace.json + PNGs, measured next to simulated",

@@ -25,6 +25,7 @@ class TrainerPipeline:
         are cut to this rank's slice of each sequence, and its positions feed RoPE. transform:
         applied to the stage model on meta before its weights are materialised (experts)."""
         from meshspeed.parallel.pipeline.runtime import PipelineRuntime
+        from meshspeed.parallel.pipeline.schedules import get_schedule
         from meshspeed.parallel.pipeline.stage import build_stages
 
         p, t = cfg.parallel, cfg.train
@@ -39,6 +40,7 @@ class TrainerPipeline:
             sequence_parallel=p.sequence_parallel,
             layouts=layouts,
             transform=transform,
+            placement=get_schedule(p.pp_schedule).placement,  # where layouts is None (a library caller)
         )
         self.model = self.stages.model
         self.runtime = PipelineRuntime(
@@ -51,6 +53,7 @@ class TrainerPipeline:
             sequence_parallel=p.sequence_parallel,
             trace=p.pp_trace,
             positions=None if cp is None else cp.positions(t.seq_len),
+            overlap=p.pp_overlap,
         )
         if cfg.memory.chunked_loss and self.stages.has_head:
             lf = loss_fn(self.model, recipe.loss)
