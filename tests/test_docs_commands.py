@@ -1,0 +1,207 @@
+"""Every documented command is a test: each `meshspeed ...`, `python ...` and `torchrun ...`
+command of a shell block in README.md and docs/*.md runs here, shortened by the one rule of
+tests/doc_commands.py (docs/testing.md), and must exit 0 and print what the page shows after
+it. A command that cannot run on a CPU machine is in NOT_RUN with its reason; a usage synopsis
+(`[--flag ...]`) is checked against its `--help`. A command added to a page is collected without
+editing this file; one this file cannot place (a file it reads that no fixture makes) fails.
+
+README.md's commands are the CI tier; the other pages' are `slow` (`python -m pytest -m slow`).
+A command shown on several pages runs once, under its first page (README.md first).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests import doc_commands, warm
+from tests.faults.procs import env as clean_env
+
+ROOT = doc_commands.ROOT
+
+# command (a regex searched in the page's text of it) -> why it cannot run on this CPU machine
+NOT_RUN = {
+    r"^pip install": "the install itself: this test runs in the environment it made",
+    r"^python -m pytest": "the test suite itself (CI runs it)",
+    r"~/": "reads a user's model or corpus directory (~/...); on a GPU machine "
+    "benchmarks/gpu_report.py runs the model-directory commands on a model it writes",
+    r"runs/mixtral": "reads the checkpoint converted from ~/models/Mixtral-8x7B",
+    r"--nnodes 2 .*\.\.\.": "two nodes; `...` stands for the rendezvous flags of the user's cluster",
+    r"^meshspeed run --nproc 4 examples/hf_llama\.py$": "run as written (10 steps, its losses checked "
+    "against one process) by tests/test_examples.py",
+}
+# what a command needs installed (the dev extra; a minimal install skips it with the reason)
+NEEDS = {
+    r"--png|--plot|pp_trace true": "matplotlib",
+    r"benchmarks[./](parallelize|generate|trainer_overhead)\b|hf_llama\.py": "transformers",
+}
+TIMEOUT = {"ci": 300, "slow": 900}
+
+TRAIN_PY = '''"""A torchrun-style script (README's `meshspeed run ... train.py --lr 3e-4`)."""
+import argparse
+import torch
+import torch.distributed as dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, default=1e-3)
+args = parser.parse_args()
+dist.init_process_group("gloo")
+x = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(x)
+assert x.item() == dist.get_world_size() * (dist.get_world_size() + 1) / 2
+print(f"rank {dist.get_rank()} lr {args.lr} sum {x.item()}")
+dist.destroy_process_group()
+'''
+
+
+def _distinct() -> list[doc_commands.Command]:
+    seen, out = set(), []
+    for c in doc_commands.commands():
+        key = tuple(doc_commands.shorten([a for a in c.argv if not a.startswith("[")]))
+        if c.synopsis:
+            key = ("synopsis",) + tuple(c.argv)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(c)
+    return out
+
+
+COMMANDS = _distinct()
+
+
+def _reason(cmd: doc_commands.Command) -> str | None:
+    for pattern, why in NOT_RUN.items():
+        if re.search(pattern, cmd.text):
+            return why
+    return None
+
+
+def _params():
+    for c in COMMANDS:
+        marks = [] if c.page == "README.md" else [pytest.mark.slow]
+        yield pytest.param(c, id=c.id, marks=marks)
+
+
+def _env(cwd) -> dict:
+    e = clean_env()
+    e["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [e.get("PYTHONPATH")])])
+    e["MESHSPEED_LINK_PARAMS"] = os.path.join(cwd, "link_params.json")  # not ~/.cache's
+    e["MESHSPEED_MACHINE"] = os.path.join(cwd, "machine.json")
+    return e
+
+
+def _argv(argv: list[str]) -> list[str]:
+    """A page's argv as a process's: `meshspeed` and `python` are this interpreter's."""
+    if argv[0] == "meshspeed":
+        return [sys.executable, "-m", "meshspeed", *argv[1:]]
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
+    if argv[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    return argv
+
+
+def run(argv: list[str], cwd, timeout: int, stdout_to: str | None = None) -> subprocess.CompletedProcess:
+    done = warm.run(_argv(argv), cwd=str(cwd), env=_env(cwd), timeout=timeout, capture_output=True, text=True)
+    if stdout_to:
+        (cwd / stdout_to).write_text(done.stdout)
+    return done
+
+
+def _ok(done: subprocess.CompletedProcess, what) -> None:
+    out = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{what}: exit {done.returncode}\n{out}"
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A directory holding runs/tiny: the tiny preset trained 1 step (what `meshspeed train`
+    leaves), made once for the commands that read a run."""
+    d = tmp_path_factory.mktemp("trained")
+    _ok(run(["meshspeed", "train", "--train.steps", "1", "--checkpoint.interval", "0"], d, 300), "runs/tiny")
+    return d / "runs" / "tiny"
+
+
+def _workdir(tmp_path):
+    for name in ("configs", "examples"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    return tmp_path
+
+
+def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
+    """Make what the command reads, as the page's earlier commands (or the user) would."""
+    text = cmd.text
+    if re.search(r"runs/(tiny|big)\b|--checkpoint\.resume", text):
+        run_dir = request.getfixturevalue("trained")
+        for name in ("tiny", "big"):
+            shutil.copytree(run_dir, cwd / "runs" / name, symlinks=True)
+    if "./tiny-llama" in text:
+        convert = ["meshspeed", "convert", "--checkpoint", "runs/tiny", "--to-hf", "tiny-llama"]
+        _ok(run(convert, cwd, 300), "runs/tiny to tiny-llama")
+    if "notes.txt" in text:  # eval scores the end of the file: give it a few hundred KB of text
+        lib = os.path.dirname(os.__file__)
+        src = [os.path.join(lib, n) for n in sorted(os.listdir(lib)) if n.endswith(".py")]
+        body = "".join(open(p, errors="replace").read() for p in src)[:600_000]
+        (cwd / "notes.txt").write_text(body)
+    if "prompts.txt" in text:
+        (cwd / "prompts.txt").write_text("Once upon\nThe\n")
+    if re.search(r"(^| )train\.py( |$)", text):
+        (cwd / "train.py").write_text(TRAIN_PY)
+    for name in re.findall(r"--layout-from (\S+)", text):  # the page's command that writes it
+        maker = next(c for c in doc_commands.commands() if c.stdout_to == name)
+        _ok(run(doc_commands.shorten(maker.argv), cwd, 300, maker.stdout_to), maker.text)
+
+
+@pytest.mark.parametrize("cmd", list(_params()))
+def test_documented_command_runs(cmd: doc_commands.Command, tmp_path, request):
+    why = _reason(cmd)
+    if why:
+        pytest.skip(f"not run here: {why}")
+    for pattern, module in NEEDS.items():
+        if re.search(pattern, cmd.text):
+            pytest.importorskip(module, reason=f"{module} is in the dev extra: pip install -e .[dev]")
+    cwd = _workdir(tmp_path)
+    timeout = TIMEOUT["ci" if cmd.page == "README.md" else "slow"]
+    if cmd.synopsis:  # a usage line: the command's --help lists every flag it shows
+        base = [a for a in cmd.argv if not a.startswith("[") and not a.startswith("--") and "]" not in a]
+        base = base[: 3 if base[0] == "python" else 2]
+        done = run(base + ["--help"], cwd, timeout)
+        _ok(done, cmd.text)
+        missing = [f for f in doc_commands.flags(cmd.argv) if f not in done.stdout]
+        assert missing == [], f"{cmd.page}:{cmd.line}: {' '.join(base)} --help does not list {missing}"
+        return
+    _prepare(cmd, cwd, request)
+    argv = doc_commands.shorten(cmd.argv)
+    done = run(argv, cwd, timeout, cmd.stdout_to)
+    _ok(done, f"{cmd.page}:{cmd.line}: {' '.join(argv)}")
+    printed = {ln.strip() for ln in (done.stdout + done.stderr).splitlines()}
+    missing = [ln for ln in cmd.shown if ln not in printed]
+    assert missing == [], f"{cmd.page}:{cmd.line} shows lines the command did not print: {missing}"
+
+
+def test_every_not_run_entry_matches_a_documented_command():
+    texts = [c.text for c in doc_commands.commands()]
+    stale = [p for p in NOT_RUN if not any(re.search(p, t) for t in texts)]
+    assert stale == [], stale
+
+
+def test_the_docs_show_commands_and_the_parser_finds_them():
+    # the parser, on what the pages are known to hold: a wrong regex must not silently run nothing
+    cmds = doc_commands.commands()
+    by_page = {c.page for c in cmds}
+    assert {"README.md", "docs/training.md", "docs/parallelism.md", "docs/benchmarks.md"} <= by_page
+    texts = [c.text for c in cmds]
+    assert "meshspeed pipeline show --schedule 1f1b --pp 4 --microbatches 8" in texts
+    # a command continued over lines by a backslash is one command
+    assert any(t.startswith("meshspeed train --parallel.pp 2 --parallel.vpp 2") for t in texts)
+    shown = [c for c in cmds if c.shown]
+    assert shown and all(c.argv[:2] == ["meshspeed", "train"] for c in shown)
+    short = doc_commands.shorten(["meshspeed", "train", "--run.dir", "runs/pp"])
+    assert short[-4:] == doc_commands.TRAIN_SHORT
+    assert doc_commands.shorten(["meshspeed", "train", "--dry-run"]) == ["meshspeed", "train", "--dry-run"]
