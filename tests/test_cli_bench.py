@@ -33,9 +33,7 @@ def _env(tmp_path):
 
 
 def _run(args, tmp_path, timeout=240):
-    return warm.run(
-        args, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout, cwd=tmp_path
-    )
+    return warm.run(args, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
 
 
 def test_bench_comm_spawned_checks_plots_and_fits(tmp_path):
@@ -89,6 +87,23 @@ def test_bench_comm_spawned_checks_plots_and_fits(tmp_path):
     assert params["values"]["p2p.intra"][0] > 0 and "fitted" in params
     assert "# default path (auto) busbw / raw busbw" in out.stdout and "# wrong elements: 0" in out.stdout
     assert "cost model: median |predicted - measured|" in out.stdout
+    # the fit's error per collective, the choices runs will make, and where they were saved
+    assert all(
+        f"{op} " in out.stdout.split("per op:")[1].splitlines()[0] for op in ("all_reduce", "all_to_all")
+    )
+    assert "later runs on this machine" in out.stdout and str(tmp_path / "link_params.json") in out.stdout
+    # what was measured is kept, with the machine it was measured on, and decides the choices:
+    # a runs' choice at each measured size is the algorithm timed fastest there
+    from meshspeed.comm import cost_model
+
+    saved = cost_model.LinkParams.from_dict(params)
+    assert saved.machine == cost_model.this_machine()
+    quiet = [r for r in rows if not r["noisy"] and r["op"] != "broadcast"]
+    assert {op for op in saved.measured} == {r["op"] for r in quiet}
+    for op, entries in saved.measured.items():
+        for e in entries:
+            fastest = min(e["us"], key=lambda a: (e["us"][a], a != "native"))
+            assert cost_model.choose(op, e["bytes"], [0, 0, 0], "gloo", saved) == fastest, (op, e)
 
 
 def test_bench_comm_under_torchrun(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -124,6 +125,28 @@ def _compact(ranks: list[int]) -> str:
     if step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
         return f"{ranks[0]}-{ranks[-1]}" + (f"/{step}" if step != 1 else "")
     return ",".join(map(str, ranks))
+
+
+_ANNOUNCED: set = set()
+
+
+def _announced(params: cost_model.LinkParams) -> cost_model.LinkParams:
+    """Say once per process (rank 0) that saved link parameters choose the algorithms, or why
+    a saved file was ignored: a run that behaves differently because of a file a benchmark
+    wrote earlier must say so."""
+    if params.path:
+        m = params.machine
+        line = (
+            f"meshspeed: collective algorithms chosen from {params.path} ({params.source}; host "
+            f"{m.get('host')}, {m.get('cpus')} cpus, torch {m.get('torch')}); MESHSPEED_LINK_PARAMS=none "
+            "uses the built-in defaults"
+        )
+    else:
+        line = f"meshspeed: {params.note}" if params.note else ""
+    if line and line not in _ANNOUNCED:
+        _ANNOUNCED.add(line)
+        print(line, file=sys.stderr, flush=True)
+    return params
 
 
 class CommContext:
@@ -247,9 +270,10 @@ class CommContext:
         """Rank 0 loads the fitted parameters and shares them, so every rank picks the same
         algorithm for the same call (different choices on different ranks would hang)."""
         if self.world_size == 1 or self.store is None:
-            return cost_model.load(self.backend)
+            return _announced(cost_model.load(self.backend))
         if self.rank == 0:
-            self.store.set("meshspeed/link_params", json.dumps(cost_model.load(self.backend).to_dict()))
+            params = _announced(cost_model.load(self.backend))
+            self.store.set("meshspeed/link_params", json.dumps(params.to_dict()))
         return cost_model.LinkParams.from_dict(json.loads(self.store.get("meshspeed/link_params")))
 
     def close(self) -> None:

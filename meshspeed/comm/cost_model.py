@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 from dataclasses import dataclass, field
 from itertools import combinations
 
@@ -57,11 +58,21 @@ _DEFAULTS = {
 
 @dataclass
 class LinkParams:
-    """α, β, γ for each of native.intra, native.inter, p2p.intra, p2p.inter."""
+    """α, β, γ for each of native.intra, native.inter, p2p.intra, p2p.inter.
+
+    `measured`: what `meshspeed bench comm` timed, per op: a list of {"p", "link", "bytes",
+    "us": {algo: time}} rows. When present, an algorithm replaces the backend's own only where
+    it measured faster (see choose); the α-β fit then only predicts (planner, overlap chunks).
+    `machine`: where the file was measured (a file from another machine or torch is ignored).
+    """
 
     values: dict[str, tuple[float, float, float]]
     source: str = "defaults"
     fitted: dict = field(default_factory=dict)  # fit quality per set, for the record
+    measured: dict | None = None
+    machine: dict = field(default_factory=dict)
+    path: str = ""  # the file these came from ("" for the built-in defaults)
+    note: str = ""  # why a saved file was not used, for the one line a run prints
 
     @classmethod
     def defaults(cls, backend: str) -> LinkParams:
@@ -72,11 +83,29 @@ class LinkParams:
             "values": {k: list(v) for k, v in self.values.items()},
             "source": self.source,
             "fitted": self.fitted,
+            "measured": self.measured,
+            "machine": self.machine,
+            "path": self.path,
+            "note": self.note,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> LinkParams:
-        return cls({k: tuple(v) for k, v in d["values"].items()}, d.get("source", "?"), d.get("fitted", {}))
+        return cls(
+            {k: tuple(v) for k, v in d["values"].items()},
+            d.get("source", "?"),
+            d.get("fitted", {}),
+            d.get("measured"),
+            d.get("machine") or {},
+            d.get("path", ""),
+            d.get("note", ""),
+        )
+
+
+def this_machine() -> dict:
+    """What must match for a saved measurement to describe this machine: the host, its cores
+    and the torch build (a new torch or gloo changes the native collectives' speed)."""
+    return {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__}
 
 
 def params_path() -> str:
@@ -86,21 +115,36 @@ def params_path() -> str:
 
 
 def load(backend: str) -> LinkParams:
-    """Fitted parameters for this backend if `bench comm` saved some, else the defaults."""
+    """Fitted parameters for this backend if `bench comm` saved some for this machine, else
+    the defaults (with `note` saying why a file that exists was not used)."""
     path = params_path()
+    defaults = LinkParams.defaults(backend)
     if path.lower() == "none" or not os.path.exists(path):
-        return LinkParams.defaults(backend)
+        return defaults
     try:
+        if os.path.getsize(path) > 16 << 20 or not os.path.isfile(path):
+            raise ValueError("not a link-parameter file")
         with open(path) as f:
             entry = json.load(f).get(backend)
-    except (OSError, ValueError):
-        return LinkParams.defaults(backend)
-    if not entry:
-        return LinkParams.defaults(backend)
-    merged = LinkParams.defaults(backend)
-    fitted = LinkParams.from_dict(entry)
+        fitted = LinkParams.from_dict(entry) if entry else None
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        defaults.note = f"{path} is not a link-parameter file written by `meshspeed bench comm`; ignored"
+        return defaults
+    if fitted is None:
+        return defaults
+    here = this_machine()
+    if fitted.measured is None or any(fitted.machine.get(k) != v for k, v in here.items()):
+        what = ", ".join(f"{k} {fitted.machine.get(k, '?')}" for k in here) if fitted.machine else "before"
+        defaults.note = (
+            f"{path} was measured on another machine or torch ({what}; here "
+            f"{', '.join(f'{k} {v}' for k, v in here.items())}): ignored, built-in defaults used; "
+            "run `meshspeed bench comm` here to measure this machine"
+        )
+        return defaults
+    merged = defaults
     merged.values.update(fitted.values)
-    merged.source, merged.fitted = fitted.source, fitted.fitted
+    merged.source, merged.fitted, merged.measured = fitted.source, fitted.fitted, fitted.measured
+    merged.machine, merged.path = fitted.machine, path
     return merged
 
 
@@ -242,9 +286,41 @@ def candidates(op: str, nodes: list[int], uneven: bool) -> list[str]:
 def choose(
     op: str, nbytes: int, nodes: list[int], backend: str, params: LinkParams, uneven: bool = False
 ) -> str:
-    """The cheapest applicable algorithm by the model. Deterministic: same inputs on every rank."""
+    """The algorithm to run. Deterministic: same inputs on every rank.
+
+    With parameters measured on this machine (`params.measured`), the fastest algorithm
+    *measured* for this op, group size and link class at the nearest measured size — never the
+    fit's extrapolation, which on a busy machine can make a slower algorithm look faster (issue
+    45: a 530 µs α sent tensor parallelism the slow way). Where nothing was measured for this
+    group, the built-in defaults decide, as they do without a file: a calibration can only
+    replace a choice with one it timed faster."""
     cands = candidates(op, nodes, uneven)
+    if params.measured is not None:
+        pick = measured_choice(params.measured, op, nbytes, nodes, cands)
+        if pick is not None:
+            return pick
+        params = LinkParams.defaults(backend)
     return min(cands, key=lambda a: (predict(op, a, nbytes, nodes, backend, params), a != "native"))
+
+
+def link_class(nodes: list[int]) -> str:
+    return "inter" if len(set(nodes)) > 1 else "intra"
+
+
+def measured_choice(measured: dict, op: str, nbytes: int, nodes: list[int], cands: list[str]) -> str | None:
+    """The candidate timed fastest at the measured size nearest `nbytes` (log scale) on a group
+    of the same size and link class; None where no such row times a candidate."""
+    rows = [
+        r
+        for r in measured.get(op, ())
+        if r["p"] == len(nodes) and r["link"] == link_class(nodes) and any(a in r["us"] for a in cands)
+    ]
+    if not rows:
+        return None
+    near = min(rows, key=lambda r: (abs(math.log2(r["bytes"]) - math.log2(max(nbytes, 1))), r["bytes"]))
+    timed = {a: t for a, t in near["us"].items() if a in cands}
+    # ties go to the backend's own op: a replacement must be strictly faster
+    return min(timed, key=lambda a: (timed[a], a != "native"))
 
 
 def _nnls(rows: list[list[float]], target: list[float]) -> list[float]:

@@ -103,17 +103,85 @@ def test_fit_recovers_the_parameters_that_generated_the_rows():
     assert cm.predict("all_reduce", "native", 10, ONE_NODE4, "gloo", fitted) == pytest.approx(6.0)
 
 
+def _measured(p2p_intra=(1e-5, 2e-10, 3e-10)) -> cm.LinkParams:
+    p = cm.LinkParams.defaults("gloo")
+    p.values["p2p.intra"] = p2p_intra
+    p.source, p.machine = "test", cm.this_machine()
+    p.measured = {"all_to_all": [{"p": 4, "link": "intra", "bytes": 1024, "us": {"native": 9.0, "pairwise": 5.0}}]}
+    return p
+
+
 def test_save_and_load_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHSPEED_LINK_PARAMS", str(tmp_path / "lp.json"))
-    p = cm.LinkParams.defaults("gloo")
-    p.values["p2p.intra"] = (1e-5, 2e-10, 3e-10)
-    p.source = "test"
-    cm.save("gloo", p)
+    cm.save("gloo", _measured())
     back = cm.load("gloo")
     assert back.values["p2p.intra"] == (1e-5, 2e-10, 3e-10) and back.source == "test"
+    assert back.measured == _measured().measured and back.path == str(tmp_path / "lp.json")
     assert cm.load("nccl").source.startswith("built-in")  # other backends untouched
     monkeypatch.setenv("MESHSPEED_LINK_PARAMS", "none")
     assert cm.load("gloo").source.startswith("built-in")
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda p: p.machine.update(host="another-host"), "another machine"),
+        (lambda p: p.machine.update(torch="1.0.0"), "torch 1.0.0"),
+        (lambda p: setattr(p, "measured", None), "another machine"),  # written before measurements were kept
+    ],
+)
+def test_a_file_from_another_machine_or_torch_is_ignored_with_a_note(tmp_path, monkeypatch, change, needle):
+    monkeypatch.setenv("MESHSPEED_LINK_PARAMS", str(tmp_path / "lp.json"))
+    p = _measured(p2p_intra=(1.0, 1.0, 1.0))
+    change(p)
+    cm.save("gloo", p)
+    back = cm.load("gloo")
+    assert back.source.startswith("built-in") and back.values == cm.LinkParams.defaults("gloo").values
+    assert needle in back.note and "bench comm" in back.note
+
+
+def test_a_file_that_is_not_link_parameters_is_ignored_with_a_note(tmp_path, monkeypatch):
+    bad = tmp_path / "lp.json"
+    bad.write_text('{"gloo": [1, 2]}')
+    monkeypatch.setenv("MESHSPEED_LINK_PARAMS", str(bad))
+    back = cm.load("gloo")
+    assert back.source.startswith("built-in") and "not a link-parameter file" in back.note
+
+
+def test_measured_times_decide_not_the_fit():
+    """A fit that predicts an algorithm faster does not choose it: only a measurement does, at
+    the measured size nearest the call (issue 45: a fitted 530 µs α sent tp the slow way)."""
+    p = cm.LinkParams.defaults("gloo")
+    # a fit that makes every meshspeed algorithm look free
+    p.values["p2p.intra"] = (1e-9, 1e-15, 1e-15)
+    assert cm.choose("all_gather", 1 << 20, ONE_NODE4, "gloo", p) != "native"  # the fit alone
+    p.measured = {
+        "all_gather": [
+            {"p": 4, "link": "intra", "bytes": 1 << 10, "us": {"native": 50.0, "ring": 40.0}},
+            {"p": 4, "link": "intra", "bytes": 1 << 20, "us": {"native": 500.0, "ring": 700.0}},
+        ],
+    }
+    assert cm.choose("all_gather", 1 << 20, ONE_NODE4, "gloo", p) == "native"  # measured slower
+    assert cm.choose("all_gather", 3 << 19, ONE_NODE4, "gloo", p) == "native"  # nearest: 1 MiB
+    assert cm.choose("all_gather", 1 << 11, ONE_NODE4, "gloo", p) == "ring"  # nearest: 1 KiB, ring won
+    assert cm.choose("all_gather", 1 << 30, ONE_NODE4, "gloo", p) == "native"  # beyond: largest row
+    # uneven sizes cannot run native: the fastest measured candidate
+    assert cm.choose("all_gather", 1 << 20, ONE_NODE4, "gloo", p, uneven=True) == "ring"
+    # a tie keeps the backend's own op
+    p.measured["all_gather"][0]["us"]["ring"] = 50.0
+    assert cm.choose("all_gather", 1 << 10, ONE_NODE4, "gloo", p) == "native"
+
+
+def test_unmeasured_groups_keep_the_built_in_choice():
+    """A file measured at 4 ranks says nothing about a 2-rank group or another op: those calls
+    are chosen as with no file at all, whatever the fit says."""
+    p = cm.LinkParams.defaults("gloo")
+    p.values["p2p.intra"] = (1.0, 1.0, 1.0)  # a fit that makes meshspeed's algorithms hopeless
+    p.measured = {"all_to_all": [{"p": 4, "link": "intra", "bytes": 1024, "us": {"native": 9.0}}]}
+    d = cm.LinkParams.defaults("gloo")
+    for op, n, nodes in (("reduce_scatter", 4 << 20, ONE_NODE4), ("all_to_all", 1024, [0, 0])):
+        assert cm.choose(op, n, nodes, "gloo", p) == cm.choose(op, n, nodes, "gloo", d)
+    assert cm.choose("reduce_scatter", 4 << 20, ONE_NODE4, "gloo", p) == "ring"
 
 
 @pytest.mark.parametrize(

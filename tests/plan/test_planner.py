@@ -167,7 +167,11 @@ def test_calibrate_takes_the_links_bench_comm_fitted(tmp_path, monkeypatch, caps
         "p2p.intra": [9e-3, 9e-9, 0.0],  # point to point is not the collectives' link
     }
     links = tmp_path / "links.json"
-    links.write_text(json.dumps({"gloo": {"values": fits, "source": "test"}}))
+    from meshspeed.comm.cost_model import this_machine
+
+    # as bench comm writes it: the machine it measured (a file from elsewhere is ignored)
+    saved = {"values": fits, "source": "test", "measured": {}, "machine": this_machine()}
+    links.write_text(json.dumps({"gloo": saved}))
     monkeypatch.setenv("MESHSPEED_LINK_PARAMS", str(links))
     monkeypatch.setenv("MESHSPEED_MACHINE", str(tmp_path / "machine.json"))
     monkeypatch.setattr(machine, "measure_matmul_tflops", lambda: 0.02)
