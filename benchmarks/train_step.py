@@ -57,7 +57,7 @@ import traceback
 
 import torch
 
-from benchmarks import harness, peers
+from benchmarks import comm_choices, harness, peers
 from meshspeed import comm
 from meshspeed.models import cross_entropy_loss, get_preset, preset_names, recipe_for
 from meshspeed.parallel.optim import build_data_parallel
@@ -238,6 +238,10 @@ def run_config(ctx, name: str, args, log) -> dict:
         mem = res[key]["memory"]
         for k in ("state", "grads", "params"):  # per rank, the largest
             mem[k] = int(harness.rank_max(ctx, mem[k]))
+        # one more step, to read which algorithm each of its collectives ran
+        res[key]["algos"] = comm_choices.used(ctx, lambda: runners[key].step(*data[0]))
+        if side == "peer":
+            res[key]["algos"] = {"all": "torch.distributed's own (native)"}
     for runner in runners.values():
         for i in range(args.warmup):
             runner.step(*data[i % len(data)])
@@ -337,6 +341,11 @@ def report(results: dict, args) -> tuple[list[dict], bool]:
                     print(f"{'':<18}   ^ {side['label']}: {side['error']}")
             rows_out.append(row)
     print("ratio = peer / meshspeed step time (> 1: meshspeed faster); range: lowest-highest per-round ratio")
+    print("\ncollective algorithms one step ran (rank 0; calls per algorithm):")
+    for name, cfg in results.items():
+        for v in cfg["variants"].values():
+            if not v.get("error") and "algos" in v:
+                print(f"  {name:<6} {v['label']:<38} {comm_choices.describe(v['algos'])}")
     print(
         "\ncounted bytes per rank (max over ranks), held between steps: storage of optimizer state, "
         f"gradients, parameters ({args.model}, {args.dtype})"
@@ -434,8 +443,16 @@ def main(argv: list[str] | None = None) -> int:
         f"configs {','.join(args.configs)}",
         flush=True,
     )
-    results = harness.spawn_collect(worker, args.nproc, vars(args), name="train_step benchmark")
-    rows, mismatch = report(results, args)
+    rows, mismatch = [], False
+    # With a saved `bench comm` file, run under it and under the built-in defaults: a
+    # calibration must never make a run slower, and this is where that is seen.
+    for label, value in comm_choices.param_sets():
+        print(f"\n=== {label} ===", flush=True)
+        with comm_choices.link_params(value):
+            results = harness.spawn_collect(worker, args.nproc, vars(args), name="train_step benchmark")
+        set_rows, set_mismatch = report(results, args)
+        rows += [dict(r, link_params=label) for r in set_rows]
+        mismatch |= set_mismatch
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
         harness.write_json(args.json, "rows", args, loss_mismatch=mismatch, rows=rows)

@@ -103,6 +103,8 @@ def test_train_step_benchmark_runs(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "peer/meshspeed" in out.stdout and "counted bytes per rank" in out.stdout, out.stdout
     assert "LOSS MISMATCH" not in out.stdout, out.stdout
+    # which algorithm each side's collectives ran (gloo's reduce-scatter is meshspeed's ring by default)
+    assert "tp reduce_scatter: ring" in out.stdout and "torch.distributed's own" in out.stdout, out.stdout
     data = json.load(open(rows_file))
     assert not data["loss_mismatch"]
     timed = [r for r in data["rows"] if "meshspeed_ms" in r]
