@@ -54,7 +54,7 @@ import time
 import torch
 
 import meshspeed.comm.collectives as C
-from benchmarks import moe_pipeline
+from benchmarks import comm_choices, moe_pipeline
 from meshspeed import comm
 from meshspeed.models.config import ModelConfig
 from meshspeed.models.moe import MoE
@@ -108,8 +108,9 @@ def worker(args, out_path: str) -> None:
     layers["ep a2a serial"].overlap_shared = False
     if base.shared_expert is not None:
         layers["shared alone"] = copy.deepcopy(base.shared_expert)
-    res: dict = {"ep": ctx.world_size, "args": vars(args), "time": {}, "bytes": {}}
+    res: dict = {"ep": ctx.world_size, "args": vars(args), "time": {}, "bytes": {}, "algos": {}}
     for name, layer in layers.items():
+        res["algos"][name] = comm_choices.used(ctx, lambda: (layer(x) * probe).sum().backward())
         times, sent = [], []
         for i in range(args.steps + 1):
             layer.zero_grad(set_to_none=True)
@@ -250,6 +251,9 @@ def report(res: dict) -> None:
     )
     if not torch.cuda.is_available():
         print("grouped matmul vs loop on CUDA (bf16, sm90+): not run, no GPU here")
+    print("collective algorithms one step ran (rank 0; calls per algorithm):")
+    for name, algos in res["algos"].items():
+        print(f"  {name:<14} {comm_choices.describe(algos)}")
     report_hot(res)
 
 
@@ -291,13 +295,15 @@ def main() -> None:
     parser.add_argument("--hot", type=int, default=4, help="moe.replicate_hot K of the hot-expert rows")
     moe_pipeline.add_arguments(parser)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "res.json")
-        rc = comm.spawn(worker, args.ep, (args, out))
-        if rc:
-            sys.exit(rc)
-        with open(out) as f:
-            report(json.load(f))
+    for label, value in comm_choices.param_sets():  # a saved bench comm file: it, then the defaults
+        print(f"=== {label} ===", flush=True)
+        with tempfile.TemporaryDirectory() as tmp, comm_choices.link_params(value):
+            out = os.path.join(tmp, "res.json")
+            rc = comm.spawn(worker, args.ep, (args, out))
+            if rc:
+                sys.exit(rc)
+            with open(out) as f:
+                report(json.load(f))
     if args.pp_ep:
         moe_pipeline.run(args)
 

@@ -29,6 +29,7 @@ import time
 import torch
 
 import meshspeed.comm.collectives as C
+from benchmarks import comm_choices
 from benchmarks.harness import emit, interleaved_rounds, rank_max, ratio, spawn_collect
 from meshspeed import comm
 from meshspeed.comm import group as group_mod
@@ -107,6 +108,9 @@ def worker(args, out: str) -> None:
         run(tokens, targets)
     for w in waits.values():
         w.clear()
+    algos = {n: comm_choices.used(ctx, lambda run=run: run(tokens, targets)) for n, run in sides.items()}
+    for w in waits.values():
+        w.clear()
     times = interleaved_rounds(ctx, sides, lambda i: (tokens, targets), args.rounds, args.steps)
     auto = sorted(
         {
@@ -121,6 +125,7 @@ def worker(args, out: str) -> None:
         "time_ms": times,
         "blocked_s": {m: rank_max(ctx, statistics.median(w)) for m, w in waits.items()},
         "auto": auto,
+        "algos": algos,
         "loss_spread": max(losses.values()) - min(losses.values()),
     }
     if ctx.rank == 0:
@@ -144,6 +149,9 @@ def report(res: dict) -> None:
         )
     print("auto's choice per layer (the cost model's K; K=1 runs the plain path): " + "; ".join(res["auto"]))
     print(f"loss spread across modes: {res['loss_spread']:.2e} (exact up to summation order)")
+    print("collective algorithms one step ran (rank 0; calls per algorithm):")
+    for mode, algos in res["algos"].items():
+        print(f"  {mode:<16} {comm_choices.describe(algos)}")
     if not torch.cuda.is_available():
         print("torch async tensor parallelism (CUDA symmetric memory): not run, no GPU here")
 
@@ -159,7 +167,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunks", type=int, nargs="*", default=[2, 4])
     args = parser.parse_args()
-    report(spawn_collect(worker, args.tp, args, name="tp_overlap"))
+    for label, value in comm_choices.param_sets():  # a saved bench comm file: it, then the defaults
+        print(f"=== {label} ===", flush=True)
+        with comm_choices.link_params(value):
+            report(spawn_collect(worker, args.tp, args, name="tp_overlap"))
 
 
 if __name__ == "__main__":
