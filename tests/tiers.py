@@ -464,5 +464,15 @@ _ENTRIES: list[tuple[str, str]] = [
         "[tp2] of the same test (the same families in the world-2 pool) and "
         "test_parallelize.py::test_qwen2_tied_tp2_sp_with_biases_equals_one_process (the plan with SP)",
     ),
+    # --- issue 44: every accepted setting value through two real steps, and the issue's CLI run
+    (
+        "tests/train/test_settings_walk.py::test_every_setting_value_runs_two_steps",
+        "test_settings_walk.py::test_one_value_per_section_runs_two_steps (one value per section)",
+    ),
+    (
+        "tests/pipeline/test_trainer_schedules.py::test_cli_dualpipev_command_from_issue_44_trains",
+        "test_trainer_schedules.py::test_dualpipev_trains_like_one_process[pp2-ep2] (the same layout "
+        "in-process)",
+    ),
 ]
 SLOW: dict[str, str] = dict(_ENTRIES)
