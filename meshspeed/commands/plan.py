@@ -68,16 +68,31 @@ def _machine(args):
     )
 
 
+# The largest world planned: above the biggest clusters built (~2·10^5 devices). The cost model
+# reads each group's member list, so a plan's time grows with the world: about 20 s of CPU at
+# 10^6 ranks, and hours at 10^7 before groups were formed in closed form.
+MAX_WORLD = 2**20
+
+
 def _world(args, cfg) -> int:
     from meshspeed.comm import ConfigError
 
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node={args.gpus_per_node} must be ≥ 1; e.g. --gpus-per-node 8")
     if args.nodes is not None:
-        if args.gpus_per_node is None or args.nodes < 1 or args.gpus_per_node < 1:
+        if args.gpus_per_node is None or args.nodes < 1:
             raise ConfigError(
                 f"--nodes {args.nodes} needs --gpus-per-node N (both ≥ 1); or give the world as --nproc"
             )
-        return args.nodes * args.gpus_per_node
-    return cfg.nproc
+        world, what = args.nodes * args.gpus_per_node, f"--nodes {args.nodes} × --gpus-per-node"
+    else:
+        world, what = cfg.nproc, "--nproc"
+    if world > MAX_WORLD:
+        raise ConfigError(
+            f"{what}={world:,} ranks is more than the planner takes ({MAX_WORLD:,}); plan at most "
+            f"{MAX_WORLD:,} ranks (layouts repeat: plan one pod of the cluster)"
+        )
+    return world
 
 
 def calibrate(args) -> int:
@@ -161,6 +176,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"world_size": world, "machine": machine.name, "layouts": ok[: args.top]}))
         return 0 if ok else 1
+    if not ok and not rejected:  # layout_space found no split: dp never divides the batch
+        print(
+            f"meshspeed plan: no layout to try: no split of {world:,} ranks into tp × pp × cp leaves a "
+            f"data-parallel degree that divides train.global_batch_size={cfg.train.global_batch_size}; "
+            f"raise it (e.g. --train.global_batch_size {world}) or plan fewer ranks"
+        )
+        return 1
     if not ok:
         reasons = sorted({r["rejected"] for r in rejected})[:5]
         print(

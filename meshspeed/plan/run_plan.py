@@ -256,11 +256,8 @@ def rank_params(recipe, dims: ParallelDims, layouts, cfg, only=None) -> tuple[in
     apply_expert_parallel(model, _Shapes(dims, 0), cfg)  # the experts' tags: the trainer's own call
     units = recipe.pipeline
     params = list(model.named_parameters(remove_duplicate=False))
-    out = []
-    for rank in range(dims.world_size):
-        if only is not None and rank not in only:
-            out.append(0)
-            continue
+    out = [0] * dims.world_size
+    for rank in range(dims.world_size) if only is None else sorted(only):  # the planner: few of 10^5
         coords = dims.coords(rank)
         mine = [s for s in layouts if s.rank == coords["pp"]] if layouts else None
         layers = {i for s in mine for i in s.layers} if mine is not None else None
@@ -277,7 +274,7 @@ def rank_params(recipe, dims: ParallelDims, layouts, cfg, only=None) -> tuple[in
                 continue
             seen.add(id(p))
             n += _local_numel(p, coords, dims)
-        out.append(n)
+        out[rank] = n
     return total, out
 
 
