@@ -22,6 +22,8 @@ an initialised one. Sharded parameters keep their FQN and carry a comm.placement
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +66,28 @@ def _check_seq(seq: int, group: comm.Group) -> None:
         )
 
 
+# Per tp group: (input, its version, grad mode, the gathered input) of the last SP gather, all
+# weak. Sibling projections — q, k and v, or gate and up — read the same normed activations,
+# and under SP each would all-gather them and reduce-scatter its gradient on its own: three
+# (or two) collectives each way where one suffices. The gathered tensor is reused while it is
+# alive (the first sibling's matmul saves it for backward), so autograd sums the siblings'
+# gradients into it and its one reduce-scatter runs once. Weak references: nothing is kept
+# alive past the step, and a new input (or one changed in place) is gathered afresh.
+_SP_GATHERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _gather_once(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    last = _SP_GATHERED.get(group)
+    if last is not None:
+        src, version, grad, out = last
+        y = out()
+        if y is not None and src() is x and version == x._version and grad == torch.is_grad_enabled():
+            return y
+    y = comm.gather_sp(x, group, 1)
+    _SP_GATHERED[group] = (weakref.ref(x), x._version, torch.is_grad_enabled(), weakref.ref(y))
+    return y
+
+
 class ColumnParallelLinear(nn.Module):
     """y[..., out/tp] = x W_localᵀ: the output features split over tp.
 
@@ -96,7 +120,7 @@ class ColumnParallelLinear(nn.Module):
             y = column_sp(x, self.weight, self.group, k)  # [batch, seq, out/tp]
             y = y if self.bias is None else y + self.bias
             return gather_chunks_ad(y, self.group, -1, self.full_out_features) if self.gather_output else y
-        x = comm.gather_sp(x, self.group, 1) if self.sequence_parallel else comm.copy_to(x, self.group)
+        x = _gather_once(x, self.group) if self.sequence_parallel else comm.copy_to(x, self.group)
         y = F.linear(x, self.weight, self.bias)  # [batch, seq, out/tp]
         return gather_chunks_ad(y, self.group, -1, self.full_out_features) if self.gather_output else y
 
