@@ -4,7 +4,10 @@ fixtures/cslt_h200.pt holds what torch._cslt_compress wrote on an NVIDIA H200 (t
 CUDA 13; benchmarks/cslt_capture.py made it) for matrices whose kept values are all distinct
 (benchmarks.cslt_capture.coded regenerates them). The torch reference of the layout
 (cslt_layout.compress_reference) and the fused Triton kernel, through its interpreter, must
-write the same bytes: values and metadata."""
+write the same bytes: values and metadata, for W and for W^T. The fixture holds one direction
+only, so the kernel's W^T is checked by handing it the fixture's matrix transposed: its W^T is
+then the fixture's W (the W^T metadata pairs columns c and c + 8, another code path than W's
+rows r and r + 8)."""
 
 from __future__ import annotations
 
@@ -27,19 +30,29 @@ def _case(key: str):
     return dense, CASES[key].reshape(-1)  # stored as cuSPARSELt returned it: [rows, bytes per row]
 
 
+def _assert_bytes(key: str, what: str, got: torch.Tensor, want: torch.Tensor, half: int) -> None:
+    got = got.view(torch.uint8)
+    assert torch.equal(got[:half], want[:half]), f"{key} {what}: the values differ"
+    bad = (got[half:] != want[half:]).nonzero().flatten()
+    assert not len(bad), f"{key} {what}: {len(bad)} metadata bytes differ, first at byte {int(bad[0])}"
+
+
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_the_reference_layout_is_cusparselts_byte_for_byte(key):
     dense, want = _case(key)
-    got = cslt_layout.compress_reference(dense, dense != 0).view(torch.uint8)
-    half = dense.numel() * dense.element_size() // 2  # the kept values, then the metadata
-    assert torch.equal(got[:half], want[:half]), f"{key}: the values differ"
-    bad = (got[half:] != want[half:]).nonzero().flatten()
-    assert not len(bad), f"{key}: {len(bad)} metadata bytes differ, first at byte {int(bad[0])}"
+    got = cslt_layout.compress_reference(dense, dense != 0)
+    _assert_bytes(key, "W", got, want, dense.numel() * dense.element_size() // 2)
 
 
-@pytest.mark.parametrize("key", ["bfloat16_64x64_seed0", "float16_64x128_seed1", "bfloat16_128x256_seed3"])
+@pytest.mark.parametrize("key", sorted(CASES))
 def test_the_triton_kernel_writes_cusparselts_bytes_in_the_interpreter(key, monkeypatch):
+    """W from the fixture's matrix, W^T from its transpose (fp32 in, rounded by the kernel);
+    the half of the kernel that is not asked for is never run on a mask that is 2:4 only one way."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     dense, want = _case(key)
+    half = dense.numel() * dense.element_size() // 2  # the kept values' bytes, then the metadata
     got = kernels.mask_and_compress(dense.float(), dense != 0, dtype=dense.dtype, want_t=False)
-    assert torch.equal(got.w.view(torch.uint8), want)
+    _assert_bytes(key, "W", got.w, want, half)
+    dt = dense.t().contiguous()
+    got = kernels.mask_and_compress(dt.float(), dt != 0, dtype=dense.dtype, want_w=False)
+    _assert_bytes(key, "W^T", got.wt, want, half)
