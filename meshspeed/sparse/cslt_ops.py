@@ -103,7 +103,7 @@ def self_check(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
     try:
         w, mask = _random_24(shape, dtype, device)
         mine = kernels.mask_and_compress(w, mask, dtype=dtype)
-        wm = w * mask
+        wm = torch.where(mask, w, 0)  # +0.0 at pruned slots (w * mask writes -0.0 where w < 0)
         ref_w, ref_t = torch._cslt_compress(wm), torch._cslt_compress(wm.t().contiguous())
     except Exception as err:  # any failure means: compress through cuSPARSELt instead
         return f"the fused kernel could not be checked ({type(err).__name__}: {err})"
@@ -118,7 +118,7 @@ def self_check(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
 def fallback_compress(path: str, weight, mask, dtype, want_w: bool, want_t: bool, cslt=None):
     """W~ and W~^T of weight under `mask` through `path`: "reference" (the layout in plain torch)
     or "cusparselt" (torch._cslt_compress; `cslt` stands in for it in tests)."""
-    wm = weight.detach().to(dtype) * mask
+    wm = torch.where(mask.bool(), weight.detach().to(dtype), 0)  # +0.0 pruned: never -0.0 (w * mask)
     if path == "reference":
         maskb = mask.bool()
         w = cslt_layout.compress_reference(wm, maskb) if want_w else None

@@ -177,7 +177,9 @@ class CompressedWeight:
         )
         if key != self.key:
             with torch.no_grad():
-                masked = (weight.to(dtype) * mask).contiguous()  # [out, in]
+                # [out, in]; +0.0 at pruned slots: w * mask writes -0.0 there for w < 0, which an
+                # older cuSPARSELt counted as a kept value
+                masked = torch.where(mask.bool(), weight.to(dtype), 0).contiguous()
                 self.w = self.compress(masked)
                 self.wt = self.compress(masked.t().contiguous()) if need_t else None
             self.key = key
