@@ -132,3 +132,46 @@ def test_the_benchmark_at_issue_24s_configuration_on_meta(capsys):
     assert abs(s["plain loop"]["predicted_ms"]["H200"] - step_cost.MEASURED_H200["plain loop"]) < 2
     assert s["meshspeed eager"]["flops"] == s["plain loop"]["flops"]
     assert "issue 40 item 2" in capsys.readouterr().out
+
+
+def _old_power_sum(g, p):  # grad_norm._power_sum before the zeros and the first add were dropped
+    from meshspeed.parallel import grad_norm as gn
+
+    g = g.reshape(-1)
+    dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16, torch.float32) else g.dtype
+    rows = g.numel() // gn.ROW
+    total = torch.zeros((), dtype=torch.float64)
+    if rows:
+        part = torch.linalg.vector_norm(g[: rows * gn.ROW].view(rows, gn.ROW), p, dim=1, dtype=dtype)
+        total = total + part.to(torch.float64).pow_(p).sum()
+    if g.numel() > rows * gn.ROW:
+        total = total + torch.linalg.vector_norm(g[rows * gn.ROW :], p, dtype=torch.float64) ** p
+    return total
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0])
+def test_gradient_norm_without_its_zeros_is_bitwise_the_old_one(p):
+    """The step-cost model found two launches per bucket in the gradient norm that add 0.0 (a
+    zeros and its add): dropped, the norm is the same bits (0.0 + s is s for s >= 0, NaN, inf)."""
+    from meshspeed import comm
+    from meshspeed.parallel import grad_norm as gn
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1, 7, gn.ROW, gn.ROW + 3, 5 * gn.ROW - 1, 3 * gn.ROW, 0]
+    grads = [torch.randn(n, generator=gen) * torch.logspace(-4, 2, n) for n in sizes]
+    grads.append(torch.tensor([float("nan"), 1.0]))
+    for g in grads:
+        assert torch.equal(gn._power_sum(g, p), _old_power_sum(g, p)) or (
+            gn._power_sum(g, p).isnan() and _old_power_sum(g, p).isnan()
+        )
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes[:-1]]
+    for q, g in zip(params, grads):
+        q.grad = g
+    mesh = comm.ParallelDims().build(comm.init(device="cpu"))
+    old = torch.zeros((), dtype=torch.float64)
+    for g in grads[:-2]:
+        old = old + _old_power_sum(g, p)
+    assert torch.equal(gn.grad_norm(params, mesh, p), (old ** (1.0 / p)).float())
+    with StepCounter("cpu") as c:
+        gn.grad_norm(params[2:3], mesh, p)  # whole rows, no tail
+    assert [op.name for op in c.ops if op.name in ("zeros", "add")] == []

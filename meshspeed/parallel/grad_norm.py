@@ -82,14 +82,17 @@ def grad_norm(target, mesh, norm_type: float = 2.0) -> torch.Tensor:
         device = segs[0][0].device if segs else torch.device(mesh.ctx.device)
     keep = {True: _owner(mesh, replicated), False: _owner(mesh, replicated + ("tp",))}
     inf = math.isinf(norm_type)
-    local = torch.zeros((), dtype=torch.float64, device=device)
+    local = torch.zeros((), dtype=torch.float64, device=device) if inf else None
     for g, tp in segs:
         if not g.numel() or not (inf or keep[tp]):
             continue
         if inf:
             local = torch.maximum(local, torch.linalg.vector_norm(g, norm_type).to(torch.float64))
-        else:
-            local = local + _power_sum(g, norm_type)
+        else:  # the first sum as it is (0.0 + s is s): no zeros and no add kernel of its own
+            s = _power_sum(g, norm_type)
+            local = s if local is None else local + s
+    if local is None:
+        local = torch.zeros((), dtype=torch.float64, device=device)
     total = comm.all_reduce(local.reshape(1), mesh["world"], "max" if inf else "sum")[0]
     return (total if inf else total ** (1.0 / norm_type)).float()
 
@@ -109,13 +112,14 @@ def _power_sum(g: torch.Tensor, norm_type: float) -> torch.Tensor:
     g = g.reshape(-1)
     dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16, torch.float32) else g.dtype
     rows = g.numel() // ROW
-    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    total = None  # sums of non-negative powers: 0.0 + s is s, so the first is taken as it is
     if rows:
         part = torch.linalg.vector_norm(g[: rows * ROW].view(rows, ROW), norm_type, dim=1, dtype=dtype)
-        total = total + part.to(torch.float64).pow_(norm_type).sum()
+        total = part.to(torch.float64).pow_(norm_type).sum()
     if g.numel() > rows * ROW:  # the tail: under one row, cheap in float64
-        total = total + torch.linalg.vector_norm(g[rows * ROW :], norm_type, dtype=torch.float64) ** norm_type
-    return total
+        tail = torch.linalg.vector_norm(g[rows * ROW :], norm_type, dtype=torch.float64) ** norm_type
+        total = tail if total is None else total + tail
+    return total if total is not None else torch.zeros((), dtype=torch.float64, device=g.device)
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
