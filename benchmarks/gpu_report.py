@@ -253,6 +253,13 @@ def trainer(rep: Report, work: str) -> None:
         return
     rep.data["trainer"] = dict(rc=r["rc"], seconds=r["s"], table=tail(r["out"], 60), err=tail(r["err"], 3))
     rep.say(f"trainer_overhead: rc {r['rc']} ({r['s']} s)")
+    # the step-cost model's prediction of the same sides (counted on meta), beside the measurement
+    model = "--preset tiny --layers 2 --batch 2 --seq-len 64" if rep.mode == "cpu-smoke" else ""
+    cost = ["-m", "benchmarks.step_cost", *model.split(), "--sides", "plain,autocast,eager"]
+    cost += ["--parent", "none"]
+    c = rep.sh("benchmarks/step_cost.py", cost, 120)
+    if c is not None:
+        rep.data["trainer"]["predicted"] = tail(c["out"] if c["rc"] == 0 else c["err"], 24)
 
 
 def sparse(rep: Report, work: str) -> None:
@@ -328,6 +335,8 @@ def markdown(d: dict) -> str:
         lines.append(f"| `{c['command']}` | {c['ok']} | {c.get('seconds', '')} | {note} |")
     if d["trainer"]:
         lines += ["", "## Trainer vs plain loop and transformers", "", "```", d["trainer"]["table"], "```"]
+        if d["trainer"].get("predicted"):  # benchmarks/step_cost.py: what the counted bytes predicted
+            lines += ["", "Predicted by the step-cost model:", "", "```", d["trainer"]["predicted"], "```"]
     if d["features"]:
         ms = {f["name"]: f["step_ms"] for f in d["features"] if "step_ms" in f}
         lines += [
