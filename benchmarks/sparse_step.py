@@ -16,7 +16,7 @@ On a 2-core machine the background thread competes with training for the same co
 async hides less than it would beside a GPU step; the printed load average says how busy
 the machine was.
 
-    python benchmarks/sparse_step.py [--preset small] [--steps 30] [--interval 5] [--repeat 2]
+    python -m benchmarks.sparse_step [--preset small] [--steps 30] [--interval 5] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -54,14 +54,45 @@ def train(args, run_dir: str, nproc: int, extra: list[str]) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def timed_steps(steps: int, interval: int) -> tuple[list[int], list[int]]:
+    """(update steps whose cost is measured, quiet steps without mask work), 0-based: the first
+    3 steps pay for warm-up, and an update's cost spans it and the step after it."""
+    updates = [s for s in range(steps) if (s + 1) % interval == 0 and s + 1 < steps]
+    busy = {s for u in updates for s in (u, u + 1)}
+    return [u for u in updates if u >= 3], [s for s in range(3, steps) if s not in busy]
+
+
 def update_cost(rows: list[dict], tokens: int, interval: int) -> tuple[float, float]:
     """(mean extra seconds per update, median step seconds without mask work)."""
     t = [tokens / r["tokens_per_s"] for r in rows]
-    updates = [s for s in range(len(rows)) if (s + 1) % interval == 0 and s + 1 < len(rows)]
-    busy = {s for u in updates for s in (u, u + 1)}
-    quiet = [t[s] for s in range(3, len(rows)) if s not in busy]  # the first steps pay for warm-up
-    base = statistics.median(quiet)
-    return statistics.mean(t[u] + t[u + 1] - 2 * base for u in updates if u >= 3), base
+    updates, quiet = timed_steps(len(rows), interval)
+    base = statistics.median(t[s] for s in quiet)
+    return statistics.mean(t[u] + t[u + 1] - 2 * base for u in updates), base
+
+
+def check(p: argparse.ArgumentParser, args) -> None:
+    """Refuse, before any run, what cannot give a figure (one line naming the fix)."""
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"update", "bytes"}:
+        p.error(f"--parts {args.parts!r}: choose update, bytes or update,bytes")
+    for name in ("steps", "interval", "batch", "seq_len", "repeat", "dp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.batch % args.dp:
+        p.error(f"--batch {args.batch} is not a multiple of --dp {args.dp}")
+    if "update" in parts:
+        updates, quiet = timed_steps(args.steps, args.interval)
+        if not updates or not quiet:
+            fix = "use --interval 3 or more"  # below 3 every step after warm-up has mask work
+            if args.interval > 2:
+                need = next(n for n in range(args.steps, 10**6) if all(timed_steps(n, args.interval)))
+                fix = f"use --steps {need} or more"
+            p.error(
+                f"--steps {args.steps} --interval {args.interval}: the update cost needs a mask update "
+                f"after the 3 warm-up steps, the step after it, and a step without mask work; {fix}"
+            )
+    if "bytes" in parts and (args.interval < 2 or args.steps < 2):
+        p.error("the grad bytes need steps between mask updates: use --interval 2 and --steps 2 or more")
 
 
 def main() -> int:
@@ -75,7 +106,16 @@ def main() -> int:
     p.add_argument("--dp", type=int, default=2, help="data-parallel workers of the bytes runs (default 2)")
     p.add_argument("--parts", default="update,bytes", help="update, bytes or both (default)")
     args = p.parse_args()
+    check(p, args)
     tokens = args.batch * args.seq_len
+    runs = (2 * args.repeat if "update" in args.parts else 0) + (2 if "bytes" in args.parts else 0)
+    done = 0
+
+    def progress(what: str) -> None:  # each run is a whole `meshspeed train`: say which one starts
+        nonlocal done
+        done += 1
+        print(f"  [{done}/{runs}] meshspeed train: {what}, {args.steps} steps ...", flush=True)
+
     print(
         f"{args.preset} preset, 2:4 transposable masks (magnitude) every {args.interval} steps, {args.steps} "
         f"steps of {args.batch} x {args.seq_len} tokens, {os.cpu_count()} CPU core(s)",
@@ -87,6 +127,7 @@ def main() -> int:
             for i in range(args.repeat):
                 for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
                     extra = ["--sparsity.async_masks", "true"] if mode == "async" else []
+                    progress(f"{mode} masks, run {i}")
                     rows = train(args, os.path.join(tmp, f"{mode}{i}"), 1, extra)
                     cost, base = update_cost(rows, tokens, args.interval)
                     costs[mode].append(cost)
@@ -99,7 +140,9 @@ def main() -> int:
             s, a = statistics.median(costs["sync"]), statistics.median(costs["async"])
             print(f"mask update cost (median): sync {s * 1e3:+.0f} ms, async {a * 1e3:+.0f} ms per update")
         if "bytes" in args.parts:
+            progress(f"dense gradients at dp {args.dp}")
             dense = train(args, os.path.join(tmp, "dense"), args.dp, [])
+            progress(f"sparse_grad_comm at dp {args.dp}")
             packed = train(
                 args, os.path.join(tmp, "packed"), args.dp, ["--sparsity.sparse_grad_comm", "true"]
             )

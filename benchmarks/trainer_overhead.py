@@ -27,12 +27,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
 import statistics
 import tempfile
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+# kineto prints `USDT: ... profiler_start` / `profiler_stop` at every profiler start and stop (87
+# lines a run: the peak-memory and launch counts profile each side); above its top level it is
+# quiet. Read at the first profiler start, so setting it here is in time; a user's value wins.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 from benchmarks import harness, peers
 from meshspeed import comm, models
@@ -249,7 +255,7 @@ def compare(args, preset: str, dtype: str) -> list[dict]:
 
         for name in order:  # warm-up (and compilation) outside the clock
             for i in range(2):
-                sides[name](*data[i])
+                sides[name](*data[i % len(data)])
             timers[name].ms.clear()
         rounds = harness.interleaved_rounds(
             args.ctx, {n: timed_side(sides[n]) for n in order}, lambda i: data[i], args.rounds, args.steps
@@ -434,6 +440,9 @@ def main(argv=None) -> None:
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     harness.require_positive(p, args, "steps", "rounds")
+    for flag, valid in (("presets", models.preset_names()), ("dtypes", ("float32", "bfloat16", "float16"))):
+        if bad := [v for v in getattr(args, flag).split(",") if v not in valid]:
+            p.error(f"--{flag} {','.join(bad)}: choose among {', '.join(valid)}")
     for flag in ("sides", "profile"):
         chosen = [s for s in getattr(args, flag).split(",") if s]
         if bad := [s for s in chosen if s not in SIDES.values()]:
@@ -448,6 +457,8 @@ def main(argv=None) -> None:
     results, alone = {}, {}
     for preset in args.presets.split(","):
         for dtype in args.dtypes.split(","):
+            what = f"{args.rounds} round(s) of {args.steps} step(s) per side"
+            print(f"timing {preset}, {dtype}: {what} ...", flush=True)
             results[(preset, dtype)] = rows = compare(env, preset, dtype)
             print_table(preset, dtype, rows)
         if args.optimizer_alone == "true":

@@ -51,7 +51,7 @@ QUICK: dict[str, list[str]] = {
     "generate": "--hidden 64 --layers 2 --vocab 256 --batch 2 --prompt-len 8 --new 4 --rounds 1 --device cpu",
     "context_parallel": "--seq 128 --heads 4 --kv-heads 2 --head-dim 16 --steps 1",
     "tp_overlap": "--tp 2 --dim 64 --seq 32 --batch 2 --steps 1 --rounds 1 --chunks 2",
-    "sparse_step": "--preset tiny --steps 4 --interval 2 --repeat 1 --batch 4 --seq-len 32",
+    "sparse_step": "--preset tiny --steps 7 --interval 3 --repeat 1 --batch 4 --seq-len 32",
     "gpu_report": "",
     "trainer_overhead": "--presets tiny --dtypes float32 --steps 1 --rounds 1",
     "planner": "--nproc 2 --steps 1 --layouts 2 --batch 4 --seq 32",
