@@ -87,6 +87,74 @@ def _set(cfg: Config, key: str, raw: Any) -> None:
     setattr(sec, name, _coerce(key, raw, hints[name], meta.get("choices")))
 
 
+# A settings file or a planner's layout file is kilobytes; a link to /dev/zero must not fill memory.
+MAX_FILE_BYTES = 8 << 20
+# How long a named pipe may stay silent (no writer yet, or one that sends nothing) before it is
+# refused; an anonymous pipe (`<(meshspeed plan --json)`) has a writer from the start, which may
+# take a while (planning) and is waited on for PIPE_WAIT_S instead.
+FIFO_WAIT_S = 5.0
+PIPE_WAIT_S = 300.0
+
+
+def read_input(path: str, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of a settings file named on the command line (`what`: the flag and path, for
+    the error): a regular file of at most `limit` bytes, or a pipe (`<(cat plan.json)`, a named
+    pipe with a writer) read until its end with a bound on the bytes and on each wait. Anything
+    else (a device, a directory, a socket) and every bound passed is one ConfigError line."""
+    import select
+    import stat
+    import time
+
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise ConfigError(f"{what}: cannot read it ({err.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{what} is a directory; give the file")
+    fifo = stat.S_ISFIFO(st.st_mode)
+    if not (fifo or stat.S_ISREG(st.st_mode)):
+        raise ConfigError(f"{what} is not a regular file or a pipe (a device or socket); give the file")
+    if st.st_size > limit:
+        raise ConfigError(
+            f"{what} holds {st.st_size:,} bytes, more than such a file has ({limit:,}); check the path"
+        )
+    try:
+        # non-blocking: open() of a named pipe with no writer would wait forever
+        fd = os.open(path, os.O_RDONLY | (os.O_NONBLOCK if fifo else 0))
+    except OSError as err:
+        raise ConfigError(f"{what}: cannot read it ({err.strerror})") from None
+    anonymous = fifo and os.path.realpath(path).rpartition("/")[2].startswith("pipe:")
+    wait = PIPE_WAIT_S if anonymous else FIFO_WAIT_S
+    chunks, size = [], 0
+    try:
+        while size <= limit:
+            if fifo:
+                deadline = time.monotonic() + wait
+                while not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    if time.monotonic() >= deadline:
+                        raise ConfigError(
+                            f"{what} is a pipe nothing was written to in {wait:g} s (no writer?); give "
+                            f"the file, or a pipe with a writer: <(cat plan.json)"
+                        )
+            try:
+                chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            except BlockingIOError:  # woken with nothing to read yet
+                continue
+            except OSError as err:
+                raise ConfigError(f"{what}: cannot read it ({err.strerror})") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise ConfigError(
+            f"{what} holds more than {limit:,} bytes, more than such a file has; check the path"
+        )
+    return b"".join(chunks)
+
+
 def load(path: str | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
     """Defaults < TOML file < overrides [(\"train.steps\", \"100\"), ...]; then validate."""
     cfg = Config()
@@ -94,8 +162,11 @@ def load(path: str | None = None, overrides: list[tuple[str, str]] | None = None
         if not os.path.exists(path):
             raise ConfigError(f"--config {path!r} does not exist")
         try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
+            data = tomllib.loads(read_input(path, f"--config {path}").decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"--config {path}: not valid TOML (not UTF-8 text: {err.reason})") from None
+        except RecursionError:
+            raise ConfigError(f"--config {path}: not valid TOML (nested too deeply)") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"--config {path}: not valid TOML ({err})") from None
         for key, value in data.items():

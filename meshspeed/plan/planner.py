@@ -324,29 +324,44 @@ __all__ = [
 
 def layout_overrides(path: str, index: int = 0) -> list[tuple[str, str]]:
     """The `--section.key value` pairs of layout `index` in a `meshspeed plan --json` file, with
-    the world size it was planned for as nproc; ConfigError names the file and what is wrong."""
+    the world size it was planned for as nproc; ConfigError names the file and what is wrong.
+    The file is read with bounds (config.read_input: a size cap, a pipe's writer waited on for
+    a while, no device), and each value must have its setting's type as the planner writes it."""
     import json
+    from typing import get_type_hints
 
+    what = f"--layout-from {path}"
+    raw = config_mod.read_input(path, what)
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"--layout-from {path}: not a readable JSON file ({err})") from None
+        data = json.loads(raw)
+    except RecursionError:
+        raise ConfigError(f"{what}: not a readable JSON file (nested too deeply)") from None
+    except ValueError as err:  # UnicodeDecodeError among them
+        raise ConfigError(f"{what}: not a readable JSON file ({err})") from None
     layouts = data.get("layouts") if isinstance(data, dict) else None
     if not isinstance(layouts, list) or not layouts:
-        raise ConfigError(
-            f"--layout-from {path}: no layouts (write it with `meshspeed plan --json > {path}`)"
-        )
+        raise ConfigError(f"{what}: no layouts (write it with `meshspeed plan --json > {path}`)")
     settings = layouts[index].get("settings") if isinstance(layouts[index], dict) else None
-    if not isinstance(settings, dict) or not all(
-        isinstance(k, str) and k in SEARCHED and isinstance(v, (bool, int, str)) for k, v in settings.items()
-    ):
+    if not isinstance(settings, dict) or not all(isinstance(k, str) and k in SEARCHED for k in settings):
         raise ConfigError(
-            f"--layout-from {path}: layout {index}'s settings must map the planner's keys "
+            f"{what}: layout {index}'s settings must map the planner's keys "
             f"({', '.join(SEARCHED)}) to numbers, booleans or names"
         )
-    out = [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in settings.items()]
-    world = data.get("world_size")
-    if isinstance(world, int) and not isinstance(world, bool) and world >= 1:
+    out = []
+    for key, value in settings.items():
+        section, _, name = key.partition(".")
+        typ = get_type_hints(type(getattr(config_mod.Config(), section)))[name]
+        # exact types: 2.0 for tp, "2" or true for a count is a file not written by the planner
+        if type(value) is not typ:
+            kind = {bool: "true or false", int: "a whole number", str: "a name"}[typ]
+            raise ConfigError(f"{what}: layout {index}'s {key}={json.dumps(value)} must be {kind}")
+        out.append((key, str(value).lower() if typ is bool else str(value)))
+    if "world_size" in data:  # the world it was planned for; absent: --nproc decides
+        world = data["world_size"]
+        if type(world) is not int or world < 1:
+            raise ConfigError(
+                f"{what}: world_size={json.dumps(world)} must be a whole number ≥ 1 (the ranks the "
+                "layouts were planned for)"
+            )
         out.insert(0, ("nproc", str(world)))
     return out

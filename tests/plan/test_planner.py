@@ -127,7 +127,7 @@ def test_plan_json_then_layout_from(tmp_path, capsys):
         ("not json", "not a readable JSON file"),
         ('{"layouts": []}', "no layouts"),
         ('{"layouts": [{"settings": {"train.lr": 1}}]}', "must map the planner's keys"),
-        ('{"layouts": [{"settings": {"parallel.tp": [2]}}]}', "must map the planner's keys"),
+        ('{"layouts": [{"settings": {"parallel.tp": [2]}}]}', r"parallel.tp=\[2\] must be a whole number"),
     ],
 )
 def test_layout_from_a_bad_file_is_one_line(tmp_path, body, needle):
