@@ -205,3 +205,55 @@ def test_the_docs_show_commands_and_the_parser_finds_them():
     short = doc_commands.shorten(["meshspeed", "train", "--run.dir", "runs/pp"])
     assert short[-4:] == doc_commands.TRAIN_SHORT
     assert doc_commands.shorten(["meshspeed", "train", "--dry-run"]) == ["meshspeed", "train", "--dry-run"]
+
+
+# ---------------------------------------------------------------- figures: the memory tables
+BYTES = ("params", "grads", "optimizer", "activations", "total", "plan est.")
+# reuse_fp32_param's optimizer holds a few hundred bytes of per-run bookkeeping beside the
+# 51,415,040 B of moments and residuals (424, 464 and 632 B over three runs): that row's optimizer
+# and total are compared to 1 KiB, every other byte exactly
+LOOSE = {("reuse fp32 param (bf16)", "optimizer"): 1024, ("reuse fp32 param (bf16)", "total"): 1024}
+
+
+def memory_table(text: str) -> dict[str, dict[str, int]]:
+    """The byte columns of benchmarks/memory.py's table, by feature."""
+    rows = {}
+    for ln in text.splitlines():
+        m = re.match(r"(\S.*?)\s{2,}([\d,]+(?:\s+[\d.,]+){8})$", ln)
+        if m and not ln.startswith("feature"):
+            cells = m.group(2).split()
+            values = cells[:5] + cells[6:7]  # params .. total, plan est. (not vs base, times)
+            rows[m.group(1)] = {k: int(v.replace(",", "")) for k, v in zip(BYTES, values)}
+    return rows
+
+
+def _page_table(page: str) -> dict[str, dict[str, int]]:
+    with open(os.path.join(ROOT, page)) as f:
+        block = re.search(r"```\n(memory features, CPU gloo.*?)```", f.read(), re.S)
+    assert block, f"{page}: benchmarks/memory.py's table is gone"
+    return memory_table(block.group(1))
+
+
+def _differences(got: dict, want: dict) -> list[str]:
+    out = [f"rows {sorted(set(got) ^ set(want))}"] if set(got) != set(want) else []
+    for feature in set(got) & set(want):
+        for col in BYTES:
+            a, b = got[feature][col], want[feature][col]
+            if abs(a - b) > LOOSE.get((feature, col), 0):
+                out.append(f"{feature} {col}: {a:,} against {b:,}")
+    return out
+
+
+def test_the_memory_tables_of_the_two_pages_agree():
+    bench, memory = _page_table("docs/benchmarks.md"), _page_table("docs/memory.md")
+    assert len(bench) == 12, bench
+    assert _differences(bench, memory) == []
+
+
+@pytest.mark.slow
+def test_the_memory_tables_are_what_the_benchmark_counts(tmp_path):
+    # bytes do not depend on the step count: one timed step; the page's other defaults
+    done = run(["python", "-m", "benchmarks.memory", "--steps", "1", "--no-zero3"], tmp_path, 900)
+    _ok(done, "benchmarks.memory")
+    fresh = memory_table(done.stdout)
+    assert _differences(fresh, _page_table("docs/memory.md")) == []
