@@ -10,11 +10,10 @@ its reason, or the test that checks the schema fails.
 For each value, the smallest layout the run plan accepts, in LAYOUTS' order (1 process, dp 2,
 tp 2, pp 2, cp 2, ep 2 on tiny-moe) from the first where the setting acts (ACTS_FROM), with the
 settings the value needs to mean something (COMPANIONS: a sparsity method needs a pattern,
-pp_overlap a schedule with pairs). There the
-plan, as the launcher hands it to its workers (as JSON), runs `Trainer.run()` for 2 steps in the
-harness's pooled workers: it must finish with a finite loss and validation loss. A value the plan
-accepts and the workers cannot run fails here; a value no layout accepts fails too, unless
-REFUSED names why.
+pp_overlap a schedule with pairs). There the plan, as the launcher hands it to its workers (as
+JSON), runs `Trainer.run()` for 2 steps in the harness's pooled workers: it must finish with a
+finite loss (and validation loss, where it validates). A value the plan accepts and the workers
+cannot run fails here; a value no layout accepts fails too, unless REFUSED names why.
 
 The whole walk is the slow tier (tests/tiers.py); CI runs one value per section (CI_PICKS).
 """
@@ -224,7 +223,7 @@ def token_files(tmp_path_factory) -> dict:
 
 def smallest_layout(key: str, value: str, run_dir: str, files: dict):
     """(layout name, world size, plan) for the first layout the run plan accepts, or (None,
-    reasons) when none does."""
+    each layout's refusal, None) when none does."""
     reasons = []
     start = [n for n, _, _ in LAYOUTS].index(ACTS_FROM.get(key, "1"))
     for name, ws, layout in LAYOUTS[start:]:
@@ -254,11 +253,13 @@ def _walk(key: str, value: str, run_dir: str, files: dict) -> None:
     if name is None:
         if what in REFUSED:
             pytest.skip(f"{what}: {REFUSED[what]}")
-        raise AssertionError(f"{what}: no layout accepts it:\n  " + "\n  ".join(ws))
+        raise AssertionError(f"{what}: no layout accepts it:\n  " + "\n  ".join(ws))  # ws: the refusals
     plan_dict = json.loads(json.dumps(plan.to_dict()))  # as the launcher hands it over
     results = harness.run(ws, job_walk, plan_dict, timeout=180)
     for loss, val in results:
-        assert math.isfinite(loss) and math.isfinite(val), f"{what} at {name}: loss {loss}, val {val}"
+        # no validation when train.exit_interval ends the run before train.steps
+        ok = math.isfinite(loss) and (val is None or math.isfinite(val))
+        assert ok, f"{what} at {name}: loss {loss}, val {val}"
 
 
 def test_every_schema_field_is_walked_or_named():
