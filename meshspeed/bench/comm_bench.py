@@ -163,7 +163,7 @@ def trimmed_mean(xs: list[float], cut: float = 0.2) -> float:
 
 # Rounds of one size whose interquartile range exceeds this fraction of their median are
 # noisy: timed again up to NOISY_RETRIES times, and left out of the fit and the choices if
-# they stay noisy (those sizes keep the built-in choice).
+# they stay noisy (the nearest quiet size decides there; an op with none keeps the built-in).
 NOISY_SPREAD = 0.25
 NOISY_RETRIES = 2
 
@@ -263,7 +263,7 @@ def measure(cfg: BenchConfig, ctx, progress) -> list[dict]:
 def measured_table(rows: list[dict], nodes: list[int]) -> dict:
     """Per op, per size: the time of each algorithm meshspeed ran (the backend's own op as
     "native": meshspeed's native path where it was timed, else the raw call). Noisy sizes are
-    left out, so their choice stays the built-in one."""
+    left out: the nearest quiet size decides there."""
     by_size: dict[tuple[str, int], dict[str, float]] = {}
     raw: dict[tuple[str, int], float] = {}
     for r in rows:
@@ -386,7 +386,7 @@ def summary(rows: list[dict]) -> str:
     if noisy:
         out.append(
             f"# noisy (rounds spread > {NOISY_SPREAD:.0%} after {NOISY_RETRIES} retries), not fitted and "
-            f"left to the built-in choice: {len(noisy)} rows, e.g. {noisy[0]['op']} "
+            f"not used to choose (the nearest quiet size decides): {len(noisy)} rows, e.g. {noisy[0]['op']} "
             f"{_fmt_size(noisy[0]['bytes'])} ({noisy[0]['spread']:.0%})"
         )
     wrong = sum(r["wrong"] for r in rows)
