@@ -137,7 +137,7 @@ def _workdir(tmp_path):
 def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
     """Make what the command reads, as the page's earlier commands (or the user) would."""
     text = cmd.text
-    if re.search(r"runs/(tiny|big)\b|--checkpoint\.resume", text):
+    if re.search(r"runs/(tiny|big)\b|--checkpoint\.resume|\./tiny-llama", text):
         run_dir = request.getfixturevalue("trained")
         for name in ("tiny", "big"):
             shutil.copytree(run_dir, cwd / "runs" / name, symlinks=True)
