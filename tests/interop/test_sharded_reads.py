@@ -9,9 +9,11 @@ first, so it passes. Split 3 or 4 ways (unevenly too) every middle window is a r
   `read` and through a `LazyParam` narrowed as materialize narrows it, equals the whole tensor
   (read with safetensors' own loader) sliced;
 - model level, at tp 3 and tp 4: a Llama (rotary rows read as a span and picked) and a Qwen2
-  (q/k/v biases, tied embedding) built born sharded from their files; each rank's pieces put
-  together equal the parameters of the same model read whole in one process, each piece in
-  torch.chunk's place.
+  (q/k/v biases) built born sharded from their files as `model.init_from` builds them; each
+  rank's pieces equal the parameters of the same model read whole in one process, each piece in
+  torch.chunk's place; and `parallelize(load_from=...)` on a custom module split by a plan of
+  the user's (tests/interop/test_parallelize_load.py's, at tp 2 there) equals the same module
+  loaded in memory and split.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def _save(kind: str, path: str) -> None:
     model.save_pretrained(path, max_shard_size="40KB")  # several shards and an index
 
 
-def job_pieces(ctx, dirs: dict) -> dict:
+def job_pieces(ctx, dirs: dict, net_dir: str) -> dict:
     """This rank's pieces of each model born sharded at tp = world, with their split dims."""
     mesh = comm.ParallelDims(tp=ctx.world_size).build(ctx)
     out = {}
@@ -118,6 +120,19 @@ def job_pieces(ctx, dirs: dict) -> dict:
             s = sharding_of(p)
             pieces[name] = (p.detach().clone(), s.shard_dims().get("tp") if s is not None else None)
         out[kind] = pieces
+    if net_dir:  # parallelize(load_from=...) on a custom module with a plan of the user's
+        import meshspeed
+        from tests.interop.test_parallelize import TINYNET_PLAN, tiny_net
+
+        with torch.device("meta"):
+            born = tiny_net()
+        born, _ = meshspeed.parallelize(born, mesh, plan=TINYNET_PLAN, load_from=net_dir)
+        whole, _ = meshspeed.parallelize(tiny_net(), mesh, plan=TINYNET_PLAN)  # cut from memory
+        pairs = zip(born.named_parameters(), whole.named_parameters(), strict=True)
+        out["net"] = {
+            n: (list(p.shape), list(q.shape), p.shape == q.shape and torch.equal(p, q))
+            for (n, p), (_, q) in pairs
+        }
     return out
 
 
@@ -127,7 +142,13 @@ def test_born_sharded_pieces_at_tp_3_and_4_are_the_whole_models(tmp_path, tp):
     dirs = {kind: str(tmp_path / kind) for kind in FAMILIES}
     for kind, path in dirs.items():
         _save(kind, path)
-    results = harness.run(tp, job_pieces, dirs, timeout=180)
+    from safetensors.torch import save_file
+
+    from tests.interop.test_parallelize import tiny_net
+
+    (tmp_path / "net").mkdir()
+    save_file(tiny_net().state_dict(), str(tmp_path / "net" / "model.safetensors"))
+    results = harness.run(tp, job_pieces, dirs, str(tmp_path / "net"), timeout=180)
     solo = comm.ParallelDims().build(comm.init())
     for kind, path in dirs.items():
         whole = dict(build_parallel_model(hf_recipe(HFCheckpoint(path)), solo).named_parameters())
@@ -149,3 +170,10 @@ def test_born_sharded_pieces_at_tp_3_and_4_are_the_whole_models(tmp_path, tp):
                 assert piece.shape == want.shape, (kind, name, rank, list(piece.shape), list(want.shape))
                 assert torch.equal(piece, want), (kind, name, rank)
         assert split >= 7 * HF["num_hidden_layers"], (kind, split)  # q k v o gate up down per layer
+    for rank, r in enumerate(results):  # the custom module: each parameter the piece cut from memory
+        wrong = {n: v for n, v in r["net"].items() if not v[2]}
+        assert not wrong, (rank, wrong)
+        split = {
+            n for n, (shape, _, _) in r["net"].items() if shape != list(tiny_net().get_parameter(n).shape)
+        }
+        assert {"blocks.0.fc1.weight", "blocks.1.fc2.weight", "head.weight"} <= split, split
