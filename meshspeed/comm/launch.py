@@ -11,7 +11,12 @@ Failure is designed, not left to chance:
   SIGCONT, so a stopped one can act on it), then SIGKILL after a grace period, and its last
   line names the first rank that failed and why: the exception's message, or the signal;
 - killing the launcher (SIGINT, SIGTERM, SIGHUP) stops every worker, and on Linux a worker
-  whose launcher dies even by SIGKILL is killed by the kernel (PR_SET_PDEATHSIG): no orphans.
+  whose launcher dies even by SIGKILL is killed by the kernel (PR_SET_PDEATHSIG): no orphans;
+- each worker leads its own process group, and whatever it started (a data server, a `sleep`
+  in a shell) is stopped with it when the job ends, however it ends: a grandchild left running
+  would hold the job's stdout open (`meshspeed run ... | cat` would wait for it);
+- a rank still running well after its peers finished is named (the job waits for it: a rank 0
+  saving or evaluating after the others is normal, a stuck one is not silent).
 
 Under torchrun, `run_worker` gives the same one-line report from the rank that failed.
 """
@@ -36,6 +41,8 @@ from meshspeed.comm.errors import ConfigError
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # How long an echo of another rank's failure waits for that rank's own report.
 _ECHO_WAIT_S = 2.0
+# How long after the other ranks finished a rank still running is named (once).
+STRAGGLER_S = 30.0
 # What a worker's death by each signal usually means, for the launcher's last line.
 _SIGNAL_HINTS = {
     signal.SIGKILL: "out of memory?",
@@ -65,6 +72,48 @@ def worker_env(rank: int, nproc: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(nproc),
         "OMP_NUM_THREADS": str(threads),
     }
+
+
+# Local workers per core and memory per worker a machine is taken to hold: past them, a job
+# starts hundreds of processes and exhausts memory before any of them runs (1,000 workers on 2
+# cores: ~294 started and 15 GB gone before the launcher gave up).
+WORKERS_PER_CORE = 8
+WORKER_MIB = 256
+
+
+def max_workers() -> tuple[int, str]:
+    """(the most local workers this machine holds, how that was decided): MESHSPEED_MAX_WORKERS
+    if set, else the smaller of WORKERS_PER_CORE per core and one per WORKER_MIB available."""
+    raw = os.environ.get("MESHSPEED_MAX_WORKERS")
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError(f"MESHSPEED_MAX_WORKERS={raw} must be a whole number ≥ 1; e.g. 64")
+        return n, f"MESHSPEED_MAX_WORKERS={n}"
+    cores = os.cpu_count() or 1
+    n, why = WORKERS_PER_CORE * cores, f"{cores} cores × {WORKERS_PER_CORE}"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return n, why
+    by_memory = max(1, kib // 1024 // WORKER_MIB)
+    if by_memory < n:
+        n, why = by_memory, f"{kib / 2**20:.1f} GiB available / {WORKER_MIB} MiB per worker"
+    return n, why
+
+
+def check_workers(nproc: int, flag: str = "--nproc") -> None:
+    """One line, before anything starts, when `nproc` local workers exceed what the machine holds."""
+    most, why = max_workers()
+    if nproc > most:
+        raise ConfigError(
+            f"{flag}={nproc} is more workers than this machine holds (at most {most}: {why}); use "
+            f"{flag} {most} or fewer, or set MESHSPEED_MAX_WORKERS={nproc} to start them anyway"
+        )
 
 
 # -- the worker side ------------------------------------------------------------------------
@@ -144,6 +193,9 @@ def run_worker(fn, args: tuple = (), report=None) -> int:
 
 def _entry(fn, args, rank, nproc, port, env, report, parent_pid, others=()):
     _die_with_parent(parent_pid)
+    # A process group of its own: what this rank starts can be stopped with it (spawn's _end_groups).
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     if others:  # forked: the launcher's signal handlers and the other ranks' pipe ends came along
         for s in _STOP_SIGNALS:
             signal.signal(s, signal.SIG_DFL)
@@ -220,6 +272,8 @@ class _Watch:
         self.first: tuple[int, str, str] | None = None  # (rank, last line, detail)
         self.stop_at: float | None = None
         self.echo_at: float | None = None  # when the first echo arrived
+        self.done_at: float | None = None  # when a clean exit was first seen with ranks still running
+        self.named = False  # the ranks still running were named
 
     def poll(self) -> None:
         for r, c in enumerate(self.conns):
@@ -281,6 +335,29 @@ class _Watch:
                 if p.is_alive():
                     p.kill()
 
+    def straggler(self, nproc: int, after_s: float) -> None:
+        """Name, once, the ranks still running `after_s` after every other rank exited cleanly."""
+        if self.first is not None or self.named:
+            return
+        codes = [p.exitcode for p in self.procs]
+        running = [r for r, c in enumerate(codes) if c is None]
+        if not running or len(running) == nproc or any(c not in (None, 0) for c in codes):
+            return
+        if self.done_at is None:
+            self.done_at = time.monotonic()
+        if time.monotonic() - self.done_at < after_s:
+            return
+        self.named = True
+        done = nproc - len(running)
+        who = f"rank {running[0]} is" if len(running) == 1 else f"ranks {', '.join(map(str, running))} are"
+        peers = "the other worker" if done == 1 else f"{done} other workers"
+        print(
+            f"meshspeed: {who} still running {after_s:g} s after {peers} finished; waiting "
+            "(Ctrl-C or SIGTERM stops the job)",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def alive(self) -> bool:
         # pid is None for a worker never started (a signal arrived while starting the others)
         return any(p.pid is not None and p.exitcode is None for p in self.procs)
@@ -291,6 +368,34 @@ class _Watch:
         while self.alive():
             self.escalate()
             time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member that is not ours any more (setuid): not ours to wait on
+        return False
+    return True
+
+
+def _end_groups(procs, grace_s: float) -> None:
+    """Stop what the workers started: SIGTERM to each worker's process group (every worker has
+    exited and been reaped, so only its descendants are left there), SIGKILL after `grace_s`."""
+    groups = [p.pid for p in procs if p.pid is not None]
+    left = [g for g in groups if _group_alive(g)]
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        for g in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(g, sig)
+    deadline = time.monotonic() + grace_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [g for g in left if _group_alive(g)]
+    for g in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(g, signal.SIGKILL)
 
 
 def _single_threaded() -> bool:
@@ -322,6 +427,7 @@ def spawn(
     grace_s: float = 5.0,
     fork_ok: bool = False,
     preload: tuple[str, ...] = (),
+    straggler_s: float | None = None,
 ) -> int:
     """Run `fn(*args)` in `nproc` processes forming one job; return an exit code.
 
@@ -332,7 +438,12 @@ def spawn(
     Workers are fresh interpreters, unless `fork_ok` (the job never touches a GPU) and this
     process is single-threaded once `preload` is imported: then they are forked from it, and
     share its imports (see `start_method`).
+
+    A rank still running `straggler_s` (default STRAGGLER_S) after all others exited cleanly is
+    named in one line; the job keeps waiting for it. When the job ends, whatever a worker
+    started is stopped too (each worker's process group: SIGTERM, SIGKILL after `grace_s`).
     """
+    straggler_s = STRAGGLER_S if straggler_s is None else straggler_s
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be ≥ 1")
     method = start_method(fork_ok, preload)
@@ -362,15 +473,22 @@ def spawn(
                 if watch.first is not None:
                     watch.stop()
                     watch.escalate()
+                else:
+                    watch.straggler(nproc, straggler_s)
                 time.sleep(0.05)
             watch.poll()
+            for p in procs:
+                p.join()
+            _end_groups(procs, grace_s)
     except (_Stopped, KeyboardInterrupt) as err:
         signum = err.signum if isinstance(err, _Stopped) else int(signal.SIGINT)
         watch.wait_all()
+        for p in procs:  # reaped: a worker's group then holds only what it started
+            if p.pid is not None:
+                p.join()
+        _end_groups(procs, grace_s)
         print(f"meshspeed: stopped by {_signal_name(signum)}; all {nproc} workers stopped", file=sys.stderr)
         return 128 + signum
-    for p in procs:
-        p.join()
     return _report(watch, nproc)
 
 

@@ -53,6 +53,8 @@ def run(args) -> int:
         overrides = config.overrides_from_args(args)
         cfg = eval_config(args.checkpoint, args.config, overrides)
         plan = make_plan(cfg, world_size(cfg), ranks=False)  # every check, before any worker starts
+        if not launched():
+            launch.check_workers(cfg.nproc)
     except ConfigError as err:
         if not quiet:
             print(f"meshspeed eval: {err}", file=sys.stderr)

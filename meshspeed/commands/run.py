@@ -189,6 +189,7 @@ def run(args) -> int:
 
     try:
         nproc = _count("--nproc", args.nproc, 1, "2")
+        launch.check_workers(nproc)  # before anything starts: 1,000 forks would exhaust memory
         restarts = _count("--max-restarts", args.max_restarts, 0, "3")
         script = _check_script(args.script)
         method = _start(args.start_method)
@@ -211,9 +212,7 @@ def run(args) -> int:
         env = {"TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(restarts)}
         # forked workers start from the launcher's imports; each attempt forks afresh from it (the
         # launcher never runs the script, so a restart starts from the same clean state)
-        code = launch.spawn(
-            script_worker, nproc, (script, list(args.args)), env=env, fork_ok=fork_ok
-        )
+        code = launch.spawn(script_worker, nproc, (script, list(args.args)), env=env, fork_ok=fork_ok)
         # 0: done; 128 + signal: the launcher itself was stopped (Ctrl-C, SIGTERM), which is not
         # a worker's failure to retry.
         if code == 0 or code >= 128:

@@ -93,6 +93,7 @@ def run(args) -> int:
                 print(json.dumps(plan.to_dict()) if args.json else describe(plan))
             return 0
         if not launched():  # the lock first: nothing is written in run.dir before it is ours
+            launch.check_workers(cfg.nproc)
             lock = RunDirLock(cfg.run.dir).acquire()
             prepare_run_dir(cfg, lead=True)
     except ConfigError as err:
