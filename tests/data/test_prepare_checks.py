@@ -161,6 +161,7 @@ def test_prepare_a_text_directory_then_train_on_it(texts):
 
 def _word_tokenizer(path, size: int) -> str:
     """A word-level tokenizer of `size` ids: WORDS, fillers, [UNK], and an end-of-text token."""
+    pytest.importorskip("tokenizers", reason="tokenizers is in the dev extra: pip install -e .[dev]")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = WORDS + [f"w{i}" for i in range(size - len(WORDS) - 2)]

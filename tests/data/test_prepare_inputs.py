@@ -77,6 +77,7 @@ def test_workers_write_the_same_bytes_in_input_order(tmp_path, monkeypatch, toke
 def _word_tokenizer(path, size: int) -> str:
     """A word-level Hugging Face tokenizer of `size` ids: the corpus' words, fillers, [UNK] and
     an end-of-text token (the last id)."""
+    pytest.importorskip("tokenizers", reason="tokenizers is in the dev extra: pip install -e .[dev]")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = ["text", "file", "naïve", "café", "record", "東京", ",", "0", "1", "2", "3", "4"]
