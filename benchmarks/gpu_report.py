@@ -12,6 +12,8 @@ in under 6 minutes; steps past it are listed as not run).
   features  each [memory] feature, 2:4 sparsity and accumulation 8, one trainer step each on
             one GPU: step time against the plain step, torch.cuda.max_memory_allocated against
             the run plan's estimate
+  cslt      benchmarks/cslt_probe.py: whether the compiled 2:4 compression kernel writes
+            torch._cslt_compress's bytes, and if not which part differs (Triton IR into --out/cslt_ir)
   sparse    benchmarks/sparse_linear.py, and benchmarks/cslt_capture.py (cuSPARSELt's compressed
             bytes of known matrices, into --out, for the CPU to check the layout against)
 and what it could not run, with why. A step that fails is a row that says so, never the end of
@@ -39,7 +41,7 @@ from benchmarks.gpu_features import COMMON, FEATURE_BASE, FEATURES
 from benchmarks.gpu_tests import cuda_test_files, junit_counts, selection_args
 from benchmarks.harness import ROOT, clean_env, parser
 
-SECTIONS = ("trainer", "tests", "commands", "features", "sparse")  # the open issue's figures first
+SECTIONS = ("trainer", "cslt", "tests", "commands", "features", "sparse")  # the open issue's figures first
 
 
 # ------------------------------------------------------------------------------ running things
@@ -283,6 +285,18 @@ def sparse(rep: Report, work: str) -> None:
         rep.say(f"{name}: rc {r['rc']} ({r['s']} s)")
 
 
+def cslt(rep: Report, work: str) -> None:
+    # before the tests: the kernels it compiles are in Triton's cache when test_kernels.py runs
+    if rep.mode == "dry":
+        return rep.not_run("benchmarks/cslt_probe.py", "--dry")
+    env = {"OUT": rep.out, "TRITON_DUMP_DIR": os.path.join(rep.out, "cslt_ir")}  # CPU: a dry run
+    r = rep.sh("benchmarks/cslt_probe.py", ["-m", "benchmarks.cslt_probe"], 150, env=env)
+    if r is None:
+        return
+    rep.data["cslt"] = dict(rc=r["rc"], seconds=r["s"], lines=tail(r["out"], 60), err=tail(r["err"], 3))
+    rep.say(f"cslt_probe: rc {r['rc']} ({r['s']} s)")
+
+
 # ------------------------------------------------------------------------------ memory features
 def features(rep: Report, work: str) -> None:
     cuda = rep.mode != "cpu-smoke"
@@ -302,6 +316,7 @@ def features(rep: Report, work: str) -> None:
 
 
 RUNNERS = {"tests": tests, "commands": commands, "trainer": trainer, "features": features, "sparse": sparse}
+RUNNERS["cslt"] = cslt
 
 
 # ------------------------------------------------------------------------------ the report
@@ -357,6 +372,10 @@ def markdown(d: dict) -> str:
                 f"| {f['name']} | {f['step_ms']:.1f} | {x} | {gib(f['peak'])} | {gib(f['estimate'])} | "
                 f"{ratio} | {f['loss']:.4f} |"
             )
+    if d.get("cslt"):
+        c = d["cslt"]
+        lines += ["", f"## benchmarks/cslt_probe.py (rc {c['rc']}, {c['seconds']} s)", "", "```"]
+        lines += [c["lines"] or c["err"], "```"]
     for s in d["sparse"]:
         lines += [
             "",
