@@ -13,6 +13,10 @@ the gradients exact (Megatron's f/g operators and their sequence-parallel forms)
                      them runs while the exchange is in flight, forward and backward
 
 Chunks follow tensor_split's convention, so extents need not divide the group size.
+
+While torch.compile traces (`torch.compiler.is_compiling()`), each of the pairs above except the
+start/wait split runs comm/traceable.py's form instead: the same transposes over torch's
+functional collectives, which dynamo puts in the graph. Eager calls never go there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from meshspeed.comm import collectives as C
+from meshspeed.comm import traceable as T
 from meshspeed.comm.algorithms import bounds
 from meshspeed.comm.group import Group
 
@@ -164,31 +169,43 @@ def all_to_all_wait(
 
 def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; all-reduce (sum) of the gradient backward."""
+    if torch.compiler.is_compiling():
+        return T.copy_to(x, group)
     return _CopyTo.apply(x, group)
 
 
 def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward."""
+    if torch.compiler.is_compiling():
+        return T.reduce_from(x, group)
     return _ReduceFrom.apply(x, group)
 
 
 def split_to(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Keep this member's chunk along `dim` forward; all-gather the gradient backward."""
+    if torch.compiler.is_compiling():
+        return T.split_to(x, group, dim % x.dim(), _SplitTo.apply)
     return _SplitTo.apply(x, group, dim % x.dim())
 
 
 def gather_from(x: torch.Tensor, group: Group, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
     """All-gather along `dim` forward; keep this member's chunk of the gradient backward."""
+    if torch.compiler.is_compiling():
+        return T.gather_from(x, group, dim % x.dim(), sizes, _GatherFrom.apply)
     return _GatherFrom.apply(x, group, dim % x.dim(), sizes)
 
 
 def gather_sp(x: torch.Tensor, group: Group, dim: int = 1, sizes: list[int] | None = None) -> torch.Tensor:
     """All-gather along `dim` forward; reduce-scatter the gradient backward."""
+    if torch.compiler.is_compiling():
+        return T.gather_sp(x, group, dim % x.dim(), sizes, _GatherSP.apply)
     return _GatherSP.apply(x, group, dim % x.dim(), sizes)
 
 
 def reduce_scatter_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter along `dim` forward; all-gather the gradient backward."""
+    if torch.compiler.is_compiling():
+        return T.reduce_scatter_sp(x, group, dim % x.dim(), _ReduceScatterSP.apply)
     return _ReduceScatterSP.apply(x, group, dim % x.dim())
 
 
@@ -196,4 +213,6 @@ def all_to_all_ad(
     x: torch.Tensor, group: Group, in_splits: list[int] | None = None, out_splits: list[int] | None = None
 ) -> torch.Tensor:
     """All-to-all of rows forward; the reverse all-to-all (splits swapped) backward."""
+    if torch.compiler.is_compiling():
+        return T.all_to_all_ad(x, group, in_splits, out_splits, _AllToAll.apply)
     return _AllToAll.apply(x, group, in_splits, out_splits)

@@ -77,6 +77,10 @@ _SP_GATHERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _gather_once(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # dynamo cannot trace weak references: one traceable gather per reader (comm.gather_sp's
+        # compiled form); the eager memo below is unchanged
+        return comm.gather_sp(x, group, 1)
     last = _SP_GATHERED.get(group)
     if last is not None:
         src, version, grad, out = last
@@ -97,6 +101,8 @@ class ColumnParallelLinear(nn.Module):
     vocab_parallel_cross_entropy.
     """
 
+    ms_traceable = True  # its collectives compile (comm/traceable.py): train.compile keeps it in the graph
+
     def __init__(
         self,
         linear: nn.Linear,
@@ -115,8 +121,14 @@ class ColumnParallelLinear(nn.Module):
         self.tp_overlap_auto: dict = {}  # input shape -> the cost model's K (tp_overlap.chunks_for)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # K = 1 hides nothing: the plain path below, not a one-chunk pipeline with its copies
-        if self.sequence_parallel and self.tp_overlap and (k := chunks_for(self, x, "column")) > 1:
+        # K = 1 hides nothing: the plain path below, not a one-chunk pipeline with its copies.
+        # Compiled, the plain path too: its collectives are traceable, tp_overlap's are not.
+        if (
+            self.sequence_parallel
+            and self.tp_overlap
+            and not torch.compiler.is_compiling()
+            and (k := chunks_for(self, x, "column")) > 1
+        ):
             y = column_sp(x, self.weight, self.group, k)  # [batch, seq, out/tp]
             y = y if self.bias is None else y + self.bias
             return gather_chunks_ad(y, self.group, -1, self.full_out_features) if self.gather_output else y
@@ -139,6 +151,8 @@ class RowParallelLinear(nn.Module):
     (reduce_scatter_sp).
     """
 
+    ms_traceable = True  # its collectives compile (comm/traceable.py): train.compile keeps it in the graph
+
     def __init__(self, linear: nn.Linear, group: comm.Group, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -151,7 +165,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            if self.tp_overlap and (k := chunks_for(self, x, "row")) > 1:
+            overlap = self.tp_overlap and not torch.compiler.is_compiling()
+            if overlap and (k := chunks_for(self, x, "row")) > 1:
                 y = row_sp(x, self.weight, self.group, k)  # [batch, seq/tp, out]
             else:
                 y = comm.reduce_scatter_sp(F.linear(x, self.weight), self.group, 1)
@@ -174,6 +189,8 @@ class VocabParallelEmbedding(nn.Module):
     sequence_parallel. Each rank looks up the tokens it owns, zeroes the rest by a mask
     multiply, and the partial embeddings are summed (reduce_from / reduce_scatter_sp).
     """
+
+    ms_traceable = True  # its collectives compile (comm/traceable.py): train.compile keeps it in the graph
 
     def __init__(self, embedding: nn.Embedding, group: comm.Group, sequence_parallel: bool = False):
         super().__init__()
@@ -207,6 +224,8 @@ class SequenceParallel(nn.Module):
 
     The wrapped module is held outside the module tree and its parameters are registered here
     under their own names, so FQNs (`norm.weight`), checkpoints and the init are unchanged."""
+
+    ms_traceable = True  # its collectives compile (comm/traceable.py): train.compile keeps it in the graph
 
     def __init__(self, module: nn.Module, group: comm.Group):
         super().__init__()

@@ -34,6 +34,11 @@ class _GatherChunks(torch.autograd.Function):
 
 def gather_chunks_ad(x: torch.Tensor, group: comm.Group, dim: int, n: int) -> torch.Tensor:
     """Differentiable gather_chunks (comm.gather_from with torch.chunk pieces)."""
+    if torch.compiler.is_compiling():
+        sizes = chunk_sizes(n, group.size)
+        if len(set(sizes)) == 1:  # torch.chunk's pieces are tensor_split's: the traceable gather
+            return comm.gather_from(x, group, dim % x.dim(), sizes)
+        return torch.compiler.disable(_GatherChunks.apply)(x, group, dim % x.dim(), n)
     return _GatherChunks.apply(x, group, dim % x.dim(), n)
 
 

@@ -5,6 +5,7 @@ single-device."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -121,16 +122,34 @@ def compile_blocks(model: nn.Module, recipe, fullgraph: bool, backend: str = "in
     return len(blocks)
 
 
+def traceable(m: nn.Module) -> bool:
+    """A module whose collectives dynamo traces (tensor / sequence parallel layers: comm.autograd
+    switches to comm/traceable.py's functional collectives while compiling)."""
+    return bool(getattr(type(m), "ms_traceable", False))
+
+
+def eager_parts(model: nn.Module, recipe) -> list[str]:
+    """Modules inside the blocks that hold a process group whose collectives dynamo cannot trace
+    (expert-parallel layers): each would be a graph break, so the blocks cannot compile whole."""
+    return [
+        f"{i}.{name}"
+        for i, block in enumerate(_blocks(model, recipe))
+        for name, m in block.named_modules()
+        if m is not block and isinstance(getattr(m, "group", None), comm.Group) and not traceable(m)
+    ]
+
+
 def mark_eager(model: nn.Module, recipe) -> None:
-    """Inside the compiled blocks, a module holding a process group (tensor / sequence / expert
-    parallel layers), a forward another feature replaced (activation recompute) and an
-    attention core that is not the plain one (context parallel, swapped, recomputed) run
-    eagerly, between compiled pieces."""
+    """Inside the compiled blocks, a module holding a process group whose collectives are not
+    traceable (expert parallel layers; tensor and sequence parallel ones stay in the graph), a
+    forward another feature replaced (activation recompute) and an attention core that is not
+    the plain one (context parallel, swapped, recomputed) run eagerly, between compiled pieces."""
     for block in _blocks(model, recipe):
         for m in block.modules():
             if m is block:
                 continue
-            if isinstance(getattr(m, "group", None), comm.Group) or "forward" in m.__dict__:
+            replaced = "forward" in m.__dict__
+            if replaced or (isinstance(getattr(m, "group", None), comm.Group) and not traceable(m)):
                 m.forward = _eager(m.forward)
             core = getattr(m, "core", None)
             if callable(core) and core is not attention_core:
@@ -148,8 +167,9 @@ def apply_model_features(model: nn.Module, cfg, mesh, recipe, device, cp=None) -
         if not p.tp_overlap_chunks:
             feats.lines += overlap_choices(model, cfg)
     if t.compile:
-        feats.compiled = compile_blocks(model, recipe, fullgraph=compile_fullgraph(cfg))
-        feats.loss = torch.compile(recipe.loss, fullgraph=True)
+        whole = compile_fullgraph(cfg) and not eager_parts(model, recipe)
+        feats.compiled = compile_blocks(model, recipe, fullgraph=whole, backend=compile_backend())
+        feats.loss = torch.compile(recipe.loss, fullgraph=True, backend=compile_backend())
     if cp is not None:
         apply_context_parallel(model, cp)
     # after the cp core is in: selective recompute wraps whichever attention core runs
@@ -162,9 +182,14 @@ def apply_model_features(model: nn.Module, cfg, mesh, recipe, device, cp=None) -
 
 
 def compile_fullgraph(cfg) -> bool:
-    """Blocks compile whole (no graph break) unless a layout puts collectives, hand-freed
-    storages or a non-plain attention core inside them."""
+    """Blocks compile whole (no graph break) unless a layout puts untraceable collectives
+    (expert parallelism), hand-freed storages or a non-plain attention core inside them.
+    Tensor and sequence parallelism compile whole: their collectives are traced."""
     p, m = cfg.parallel, cfg.memory
-    return (
-        p.tp == 1 and p.cp == 1 and p.ep == 1 and m.recompute in ("none", "full") and not m.swap_activations
-    )
+    return p.cp == 1 and p.ep == 1 and m.recompute in ("none", "full") and not m.swap_activations
+
+
+def compile_backend() -> str:
+    """torch.compile's backend for the blocks: inductor, or MESHSPEED_COMPILE_BACKEND (tests trace
+    with "aot_eager": the same graphs, forward and backward, without inductor's C++ build)."""
+    return os.environ.get("MESHSPEED_COMPILE_BACKEND", "inductor")
