@@ -42,6 +42,51 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_data_fits(cfg, dp: int) -> None:
+    """Eval scores the validation split only (a lone file's last 2%): refuse, before any worker
+    starts, data whose split cannot hold train.eval_batches batches, in one line that says how
+    much data would do and which smaller settings this data holds (before: a worker's error,
+    after every worker had started and loaded the model)."""
+    from meshspeed.data.corpus import DataError, load_corpus
+    from meshspeed.data.loader import GlobalBatchLoader, retokenize
+    from meshspeed.data.tokenizer import ByteTokenizer, load_tokenizer
+
+    d, t = cfg.data, cfg.train
+    corpus = load_corpus(d.path, d.format, max_mb=d.max_mb)
+    tok = load_tokenizer(d.tokenizer)
+    val = corpus.val if d.format != "text" or isinstance(tok, ByteTokenizer) else retokenize(corpus.val, tok)
+    GlobalBatchLoader(corpus.train, t.seq_len, t.global_batch_size, t.micro_batch_size, 0, dp)  # its line
+    n, s, g, b = val.numel(), t.seq_len, t.global_batch_size, t.eval_batches
+    windows, need = max(0, n - 1) // s, g * b
+    if windows >= need:
+        return
+    tokens = need * s + 1
+    where = f"data.path={d.path!r}" if d.path else "the built-in corpus"
+    size = ""
+    if d.path and os.path.isfile(d.path) and n:  # the split is a fixed fraction of the file
+        want = os.path.getsize(d.path) * tokens / n
+        size = (
+            f" (a file of about {want / 1e3:,.0f} KB)"
+            if want < 1e6
+            else f" (a file of about {want / 1e6:,.1f} MB)"
+        )
+    step = t.micro_batch_size * dp
+    if windows >= g:
+        fix = f"--train.eval_batches {windows // g}"
+    elif windows >= step:
+        fix = f"--train.global_batch_size {windows // step * step} --train.eval_batches 1"
+    elif n - 1 >= g:
+        fix = f"--train.seq_len {(n - 1) // g} --train.eval_batches 1"
+    else:
+        fix = None
+    raise DataError(
+        f"{where} is too small to evaluate: its validation split holds {n:,} tokens = {windows} "
+        f"sequences of train.seq_len={s}, and train.eval_batches={b} × train.global_batch_size={g} "
+        f"= {need} sequences need {tokens:,} tokens{size}; give more data"
+        + (f", or use {fix} (what this data holds)" if fix else "")
+    )
+
+
 def run(args) -> int:
     from meshspeed.comm import ConfigError, launch, launched
     from meshspeed.plan import config
@@ -55,6 +100,7 @@ def run(args) -> int:
         plan = make_plan(cfg, world_size(cfg), ranks=False)  # every check, before any worker starts
         if not launched():
             launch.check_workers(cfg.nproc)
+        check_data_fits(cfg, plan.dims["dp"])
     except ConfigError as err:
         if not quiet:
             print(f"meshspeed eval: {err}", file=sys.stderr)
