@@ -19,7 +19,9 @@ same causal work. Packed sequences pass document ids; attention stays inside a d
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -207,63 +209,129 @@ def _merge(out, lse, a, b, o_blk, lse_blk) -> None:
     lse[..., a:b] = new
 
 
+def _ring_forward(q, k, v, group: Group, works: list, stats: RingStats | None):
+    """Ring attention of q [b, g, r, sq, hd] over k/v [b, g, sk, hd] float32 (works[j]: blocks
+    against ring member j). Returns the output and its log-sum-exp [b, g, r, sq]."""
+    p, me = group.size, group.rank
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    kv = torch.stack([k, v])  # [2, b, g, sk, hd]: one message per step
+    for t in range(p):
+        step = RingStep(kv, group, 1, stats) if t < p - 1 else None  # in flight during compute
+        for a, b, kidx, mask in works[(me - t) % p]:
+            o_blk, lse_blk = _block_fwd(q[..., a:b, :], kv[0][:, :, kidx], kv[1][:, :, kidx], scale, mask)
+            _merge(out, lse, a, b, o_blk, lse_blk)
+        if step is not None:
+            kv = step.wait()
+    return out, lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, group: Group, works: list, stats: RingStats | None):
+    """dq, dk, dv of _ring_forward: dK/dV travel the ring with their block."""
+    p, me = group.size, group.rank
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dout = dout.contiguous()
+    delta = (dout * out).sum(-1)
+    dq = torch.zeros_like(q)
+    kv = torch.stack([k, v])
+    incoming = None  # the dK/dV accumulated so far for the block we hold, from the previous rank
+    for t in range(p):
+        step = RingStep(kv, group, 1, stats) if t < p - 1 else None
+        dkv = torch.zeros_like(kv)
+        for a, b, kidx, mask in works[(me - t) % p]:
+            dq_b, dk_b, dv_b = _block_bwd(
+                q[..., a:b, :],
+                kv[0][:, :, kidx],
+                kv[1][:, :, kidx],
+                dout[..., a:b, :],
+                out[..., a:b, :],
+                delta[..., a:b],
+                lse[..., a:b],
+                scale,
+                mask,
+            )
+            dq[..., a:b, :] += dq_b
+            dkv[0][:, :, kidx] += dk_b
+            dkv[1][:, :, kidx] += dv_b
+        if incoming is not None:
+            dkv += incoming.wait()
+        # The block moves on to the next rank, and after p shifts its gradient is home.
+        incoming = RingStep(dkv, group, 2, stats) if p > 1 else None
+        if step is not None:
+            kv = step.wait()
+    dkv = incoming.wait() if incoming is not None else dkv
+    return dq, dkv[0], dkv[1]
+
+
 class _RingAttention(torch.autograd.Function):
     """q [b, g, r, sq, hd], k/v [b, g, sk, hd] float32; works[j]: blocks against ring member j."""
 
     @staticmethod
     def forward(ctx, q, k, v, group: Group, works: list, stats: RingStats | None):
-        p, me = group.size, group.rank
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-        kv = torch.stack([k, v])  # [2, b, g, sk, hd]: one message per step
-        for t in range(p):
-            step = RingStep(kv, group, 1, stats) if t < p - 1 else None  # in flight during compute
-            for a, b, kidx, mask in works[(me - t) % p]:
-                o_blk, lse_blk = _block_fwd(q[..., a:b, :], kv[0][:, :, kidx], kv[1][:, :, kidx], scale, mask)
-                _merge(out, lse, a, b, o_blk, lse_blk)
-            if step is not None:
-                kv = step.wait()
+        out, lse = _ring_forward(q, k, v, group, works, stats)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.works, ctx.stats, ctx.scale = group, works, stats, scale
+        ctx.group, ctx.works, ctx.stats = group, works, stats
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, works, stats, scale = ctx.group, ctx.works, ctx.stats, ctx.scale
-        p, me = group.size, group.rank
-        dout = dout.contiguous()
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(q)
-        kv = torch.stack([k, v])
-        incoming = None  # the dK/dV accumulated so far for the block we hold, from the previous rank
-        for t in range(p):
-            step = RingStep(kv, group, 1, stats) if t < p - 1 else None
-            dkv = torch.zeros_like(kv)
-            for a, b, kidx, mask in works[(me - t) % p]:
-                dq_b, dk_b, dv_b = _block_bwd(
-                    q[..., a:b, :],
-                    kv[0][:, :, kidx],
-                    kv[1][:, :, kidx],
-                    dout[..., a:b, :],
-                    out[..., a:b, :],
-                    delta[..., a:b],
-                    lse[..., a:b],
-                    scale,
-                    mask,
-                )
-                dq[..., a:b, :] += dq_b
-                dkv[0][:, :, kidx] += dk_b
-                dkv[1][:, :, kidx] += dv_b
-            if incoming is not None:
-                dkv += incoming.wait()
-            # The block moves on to the next rank, and after p shifts its gradient is home.
-            incoming = RingStep(dkv, group, 2, stats) if p > 1 else None
-            if step is not None:
-                kv = step.wait()
-        dkv = incoming.wait() if incoming is not None else dkv
-        return dq, dkv[0], dkv[1], None, None, None
+        dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, ctx.group, ctx.works, ctx.stats)
+        return dq, dk, dv, None, None, None
+
+
+# The compiled path: the ring as two custom operators that dynamo keeps whole in the graph (their
+# point-to-point transfers, block plan and timing are Python it cannot trace). An operator takes
+# tensors and numbers, so it names its core by a key; weak, so a dropped core goes with its key.
+_CORES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("meshspeed::ring_attention", mutates_args=())
+def ring_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cp = _CORES[core]
+    return _ring_forward(q, k, v, cp.ring, cp.works(q.shape[3]), cp.stats)
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, core):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1])
+
+
+@torch.library.custom_op("meshspeed::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    core: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cp = _CORES[core]
+    dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, cp.ring, cp.works(q.shape[3]), cp.stats)
+    return dq, dk, dv.clone()  # an operator's outputs may not share storage (dk, dv: one [2, ...])
+
+
+@ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, core):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_op_setup(ctx, inputs, output):
+    q, k, v, core = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.core = core
+
+
+def _ring_op_backward(ctx, dout, _dlse):
+    dq, dk, dv = ring_attention_backward_op(dout, *ctx.saved_tensors, ctx.core)
+    return dq, dk, dv, None
+
+
+ring_attention_op.register_autograd(_ring_op_backward, setup_context=_ring_op_setup)
 
 
 class ContextParallel:
@@ -271,6 +339,8 @@ class ContextParallel:
 
     cp: the cp group; ulysses / ring: its 2-D split (cp member c = ring index · U + Ulysses index).
     """
+
+    ms_traceable = True  # compiles whole: traceable all-to-alls, the ring as custom operators
 
     def __init__(self, impl: str, cp: Group, ulysses: Group, ring: Group, layout: str | None = None):
         if ulysses.size * ring.size != cp.size:
@@ -281,6 +351,8 @@ class ContextParallel:
         self.layout = layout or default_layout(impl)
         self.stats = RingStats()
         self._cache: dict = {}
+        self.key = next(_KEYS)  # names this core to the compiled ring operators
+        _CORES[self.key] = self
 
     def positions(self, seq_len: int, rank: int | None = None) -> torch.Tensor:
         """Global positions of cp rank `rank`'s tokens (default: this rank) for a full length."""
@@ -317,32 +389,44 @@ class ContextParallel:
             q, k, v = (seq_to_heads(t, self.ulysses) for t in (q, k, v))
         pos = self._ring_positions(seq)
         if self.ring.size == 1:
-            out = _local_attention(q, k, v, pos[0], None if docs is None else docs[:, pos[0]])
+            # after the all-to-all, a contiguous layout's tokens are in position order
+            ordered = self.layout == "contiguous"
+            out = _local_attention(q, k, v, pos[0], None if docs is None else docs[:, pos[0]], ordered)
         else:
             out = self._ring_attention(q, k, v, pos, docs)
         return heads_to_seq(out, self.ulysses) if u > 1 else out
 
-    def _ring_attention(self, q, k, v, pos: list[torch.Tensor], docs) -> torch.Tensor:
-        b, sq, h, d = q.shape
-        g = k.shape[2]
-        me = self.ring.rank
-        # The block plan depends only on the layout unless documents are packed.
+    def works(self, sq: int, pos: list[torch.Tensor] | None = None, docs=None) -> list:
+        """The ring's block plan for sq query rows per member; it depends only on the layout
+        (kept per sq) unless documents are packed."""
         works = self._cache.get(sq) if docs is None else None
         if works is None:
+            pos = self._ring_positions(sq * self.ring.size) if pos is None else pos
+            me = self.ring.rank
             pick = (lambda j: None) if docs is None else (lambda j: docs[:, pos[j]])  # noqa: E731
             works = [_work(pos[me], pos[j], pick(me), pick(j)) for j in range(len(pos))]
             if docs is None:
                 self._cache[sq] = works
+        return works
+
+    def _ring_attention(self, q, k, v, pos: list[torch.Tensor], docs) -> torch.Tensor:
+        b, sq, h, d = q.shape
+        g = k.shape[2]
         q5 = q.float().view(b, sq, g, h // g, d).permute(0, 2, 3, 1, 4)  # [b, g, r, sq, hd]
-        k4, v4 = (t.float().permute(0, 2, 1, 3) for t in (k, v))  # [b, g, sk, hd]
-        out = _RingAttention.apply(q5, k4.contiguous(), v4.contiguous(), self.ring, works, self.stats)
+        k4, v4 = (t.float().permute(0, 2, 1, 3).contiguous() for t in (k, v))  # [b, g, sk, hd]
+        if torch.compiler.is_compiling() and docs is None:
+            out = ring_attention_op(q5, k4, v4, self.key)[0]
+        else:
+            out = _RingAttention.apply(q5, k4, v4, self.ring, self.works(sq, pos, docs), self.stats)
         return out.permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).to(q.dtype)
 
 
-def _local_attention(q, k, v, pos: torch.Tensor, docs) -> torch.Tensor:
+def _local_attention(q, k, v, pos: torch.Tensor, docs, ordered: bool | None = None) -> torch.Tensor:
     """Full-sequence attention after the Ulysses all-to-all; tokens come in layout order, so they
-    are put in position order first and SDPA's causal path (or a document mask) applies."""
-    ordered = bool((pos[1:] > pos[:-1]).all())
+    are put in position order first and SDPA's causal path (or a document mask) applies.
+    ordered: whether pos increases (found from pos when None: a host sync)."""
+    if ordered is None:
+        ordered = bool((pos[1:] > pos[:-1]).all())
     if not ordered:
         order = pos.argsort().to(q.device)
         q, k, v = (t.index_select(1, order) for t in (q, k, v))

@@ -123,8 +123,9 @@ def compile_blocks(model: nn.Module, recipe, fullgraph: bool, backend: str = "in
 
 
 def traceable(m: nn.Module) -> bool:
-    """A module whose collectives dynamo traces (tensor / sequence parallel layers: comm.autograd
-    switches to comm/traceable.py's functional collectives while compiling)."""
+    """A module (or attention core) whose communication dynamo traces: tensor / sequence parallel
+    layers (comm.autograd switches to comm/traceable.py's functional collectives while compiling)
+    and the context-parallel core (its all-to-alls the same way, the ring as custom operators)."""
     return bool(getattr(type(m), "ms_traceable", False))
 
 
@@ -152,7 +153,7 @@ def mark_eager(model: nn.Module, recipe) -> None:
             if replaced or (isinstance(getattr(m, "group", None), comm.Group) and not traceable(m)):
                 m.forward = _eager(m.forward)
             core = getattr(m, "core", None)
-            if callable(core) and core is not attention_core:
+            if callable(core) and core is not attention_core and not traceable(core):
                 m.core = _eager(core)
 
 
@@ -183,10 +184,12 @@ def apply_model_features(model: nn.Module, cfg, mesh, recipe, device, cp=None) -
 
 def compile_fullgraph(cfg) -> bool:
     """Blocks compile whole (no graph break) unless a layout puts untraceable collectives
-    (expert parallelism), hand-freed storages or a non-plain attention core inside them.
-    Tensor and sequence parallelism compile whole: their collectives are traced."""
+    (expert parallelism), hand-freed storages, a swapped or recomputed attention core or
+    context parallelism over packed documents inside them. Tensor, sequence and context
+    parallelism compile whole: their communication is traced."""
     p, m = cfg.parallel, cfg.memory
-    return p.cp == 1 and p.ep == 1 and m.recompute in ("none", "full") and not m.swap_activations
+    cp_whole = p.cp == 1 or not cfg.data.packing  # packed documents' masks are built eagerly
+    return cp_whole and p.ep == 1 and m.recompute in ("none", "full") and not m.swap_activations
 
 
 def compile_backend() -> str:

@@ -85,29 +85,37 @@ def test_one_process_compiles_whole_without_recompiles(tmp_path):
     _check_counts(harness.run(1, job_counts, str(tmp_path), [("parallel.tp", "1")], False, timeout=JOB_S))
 
 
+def _check_parity(results) -> None:
+    for r in results:
+        eager, compiled = r["false"], r["true"]
+        assert len(eager["losses"]) == len(compiled["losses"]) == STEPS
+        for a, b in zip(eager["losses"] + eager["val"], compiled["losses"] + compiled["val"]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (eager, compiled)
+        for a, b in zip(eager["norms"], compiled["norms"]):
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (eager, compiled)
+
+
 def test_tp2_sp_compiles_whole_and_equals_eager(tmp_path):
     extra = [("parallel.tp", "2"), ("parallel.sequence_parallel", "true")]
     results = harness.run(2, job_counts, str(tmp_path), extra, True, timeout=JOB_S, timeout_s=JOB_S)
     _check_counts(results)
-    for r in results:
-        eager, compiled = r["false"]["losses"], r["true"]["losses"]
-        assert len(eager) == len(compiled) == STEPS
-        for a, b in zip(eager + r["false"]["val"], compiled + r["true"]["val"]):
-            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (r["false"], r["true"])
-        for a, b in zip(r["false"]["norms"], r["true"]["norms"]):
-            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (r["false"], r["true"])
+    _check_parity(results)
 
 
 LAYOUTS = [
     ("dp2", 2, [("parallel.tp", "1")]),
     ("dp2-zero3", 2, [("parallel.tp", "1"), ("parallel.zero", "3")]),
+    ("cp2-ring", 2, [("parallel.tp", "1"), ("parallel.cp", "2")]),
+    ("cp2-ulysses", 2, [("parallel.tp", "1"), ("parallel.cp", "2"), ("parallel.cp_impl", "ulysses")]),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,world,extra", LAYOUTS, ids=[s[0] for s in LAYOUTS])
 def test_layouts_compile_whole_without_recompiles(tmp_path, name, world, extra):
-    _check_counts(harness.run(world, job_counts, str(tmp_path), extra, False, timeout=JOB_S, timeout_s=JOB_S))
+    results = harness.run(world, job_counts, str(tmp_path), extra, True, timeout=JOB_S, timeout_s=JOB_S)
+    _check_counts(results)
+    _check_parity(results)
 
 
 if __name__ == "__main__":
