@@ -122,11 +122,18 @@ def read_index(path: str, model_dir: str) -> dict[str, str]:
     if not isinstance(wm, dict) or not wm:
         raise HFConfigError(f"{path}: expected an object with a non-empty 'weight_map' of tensor name → file")
     top = os.path.realpath(model_dir)
+    homes = {top}
+    # The Hugging Face hub cache: models--org--name/snapshots/<revision>/<file> are links to
+    # ../../blobs/<sha256>; a link may lead there, inside the same models-- tree, and nowhere else.
+    snaps = os.path.dirname(top)
+    repo = os.path.dirname(snaps)
+    if os.path.basename(snaps) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        homes.add(os.path.join(repo, "blobs"))
     out = {}
     for name, file in wm.items():
         ok = isinstance(file, str) and file not in ("", ".", "..") and not any(c in file for c in "/\\\0")
         real = os.path.realpath(os.path.join(model_dir, file)) if ok else ""
-        if not ok or os.path.dirname(real) != top:
+        if not ok or os.path.dirname(real) not in homes:
             raise HFConfigError(
                 f"{path}: weight_map[{name!r}] = {file!r}; expected a safetensors file name in {model_dir}"
             )

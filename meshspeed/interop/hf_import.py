@@ -43,6 +43,13 @@ class SafetensorsFiles:
         self.files = self._weight_map(setting)
 
     def _weight_map(self, setting: str) -> dict[str, str]:
+        what = "give the directory save_pretrained wrote"
+        if not os.path.exists(self.path):
+            raise ConfigError(f"{setting}={self.path!r} does not exist; {what}")
+        if not os.path.isdir(self.path):
+            raise ConfigError(
+                f"{setting}={self.path!r} is a file, not a directory; {what} (the file's folder)"
+            )
         index, single = os.path.join(self.path, INDEX), os.path.join(self.path, SINGLE)
         if os.path.isfile(single):  # transformers' order: the single file wins over an index
             return {k: single for k in read_safetensors_header(single)}
@@ -114,7 +121,6 @@ class HFCheckpoint(SafetensorsFiles):
                 f"{setting}={self.path!r} holds {extra[0]} ({len(extra)} tensors) that meshspeed's "
                 f"{self.config.family} model has no place for; is config.json for these weights?"
             )
-
 
 
 class LazyParam:

@@ -40,11 +40,17 @@ class SafetensorsDir(SafetensorsFiles):
 
     def __init__(self, path: str):
         super().__init__(path, "parallelize: load_from")
-        self.shapes = {}
+        self.shapes, self.dtypes = {}, {}
         for f in sorted(set(self.files.values())):
             for name, entry in read_safetensors_header(f).items():
                 if name != "__metadata__":
                     self.shapes[name] = list(entry["shape"])
+                    self.dtypes[name] = entry["dtype"]
+
+
+# safetensors' floating-point dtype codes; a float parameter read from any other would be cast
+# (int64 ids, bool masks: silently float32 before)
+FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
 class _Plan:
@@ -58,7 +64,7 @@ class _Plan:
         self.source: dict[str, str] = {}  # parameter (owner name) -> tensor name in the files
         for name, p in model.named_parameters():
             found = next((n for n in (name, *aliases.get(name, ())) if n in self.dir.files), None)
-            self._check(name, found, list(p.shape))
+            self._check(name, found, list(p.shape), p.dtype)
             self.source[name] = found
         self.recompute: list[nn.Module] = []  # modules whose non-persistent buffers are derived
         self.buffers: dict[str, str] = {}  # persistent meta buffer -> its tensor in the files
@@ -68,7 +74,7 @@ class _Plan:
                     continue
                 name = f"{mod_name}.{key}" if mod_name else key
                 if key not in mod._non_persistent_buffers_set:
-                    self._check(name, name if name in self.dir.files else None, list(b.shape))
+                    self._check(name, name if name in self.dir.files else None, list(b.shape), b.dtype)
                     self.buffers[name] = name
                 elif hasattr(model, "_init_weights") and not any(True for _ in mod.parameters(recurse=False)):
                     if mod not in self.recompute:
@@ -80,7 +86,7 @@ class _Plan:
                         "device and load it whole (from_pretrained), then parallelize without load_from"
                     )
 
-    def _check(self, name: str, found: str | None, shape: list[int]) -> None:
+    def _check(self, name: str, found: str | None, shape: list[int], dtype: torch.dtype) -> None:
         if found is None:
             raise ConfigError(
                 f"parallelize: load_from={self.dir.path!r} has no tensor {name!r} that the model holds; "
@@ -90,6 +96,12 @@ class _Plan:
             raise ConfigError(
                 f"parallelize: load_from: {found} has shape {self.dir.shapes[found]} in "
                 f"{self.dir.path!r} but the model's is {shape}; is the config the saved model's?"
+            )
+        code = self.dir.dtypes[found]
+        if dtype.is_floating_point and code not in FLOAT_CODES:
+            raise ConfigError(
+                f"parallelize: load_from: {found} holds {code} values in {self.dir.path!r} but the "
+                f"model's {name} is {dtype}; it is not cast: save the model's own floating-point weights"
             )
 
     def init(self, fqn: str, shape: torch.Size, seed: int) -> LazyParam:
