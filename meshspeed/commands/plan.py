@@ -100,9 +100,15 @@ def calibrate(args) -> int:
     import statistics
 
     from meshspeed.comm import cost_model
-    from meshspeed.plan.machine import MACHINES, measure_matmul_tflops, save_calibration
+    from meshspeed.plan import config
+    from meshspeed.plan.machine import MACHINES, measure_matmul_tflops, measure_sync_us, save_calibration
 
+    world = config.load(args.config, config.overrides_from_args(args)).nproc
     tflops = measure_matmul_tflops()
+    # tensor parallelism's pattern — compute, a blocking collective, compute — on `world` ranks
+    # at once: what a step pays per collective here beyond the links' α-β (issue 45: tp layouts
+    # measured 4-8x their α-β prediction on 2 shared cores)
+    sync_us = measure_sync_us(world, tflops)
     links = cost_model.load("gloo")
     # `bench comm` fits each collective on its own ("native:all_gather.intra", ...); the machine
     # has one intra-node link, so take the median of those fits. Without a fit: the defaults.
@@ -122,6 +128,7 @@ def calibrate(args) -> int:
         gpus_per_node=args.gpus_per_node or MACHINES["cpu"].gpus_per_node,
         shared_cores=os.cpu_count() or 1,  # gloo ranks on this machine share its cores
         matmul_eff=1.0,  # the measured rate is already what a matmul achieves here
+        sync_us=sync_us,
     )
     path = save_calibration(m)
     if fitted:  # say where the links came from; advise `bench comm` only when there was no fit
@@ -130,7 +137,8 @@ def calibrate(args) -> int:
         where = "links: the built-in defaults (run `meshspeed bench comm --nproc 4` first to fit them)"
     print(
         f"meshspeed plan: matmul {tflops * 1e3:.1f} GFLOP/s; {where}, "
-        f"α {a * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s; stored in {path}"
+        f"α {a * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s; a blocking collective between computes on "
+        f"{world} ranks {sync_us:.0f} µs; stored in {path}"
     )
     return 0
 

@@ -37,6 +37,10 @@ class Machine:
     attn_eff: float = 0.50  # ... for the attention core
     tile: float = 128.0  # rows/columns at which a matmul runs at half its large-size rate
     shared_cores: int = 0  # CPU ranks share this many cores (0: each rank owns its device)
+    # What one blocking collective between two bursts of compute costs beyond the α-β formula:
+    # on CPU ranks sharing cores, the wait for a peer that the scheduler has not run yet (a
+    # tensor-parallel step is hundreds of them). Measured by `plan --calibrate`; 0 on devices.
+    sync_us: float = 0.0
 
     def rank_peak(self, world: int) -> float:
         """FLOP/s one rank gets: the device's, or its share of the cores ranks run on together."""
@@ -123,6 +127,58 @@ def measure_matmul_tflops(n: int = 1024, dtype=None, seconds: float = 1.0) -> fl
         torch.mm(a, b)
         reps += 1
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def _sync_worker(flops: float, reps: int, out: str) -> None:
+    import torch
+
+    from meshspeed import comm
+
+    ctx = comm.init("gloo")
+    torch.set_num_threads(1)
+    n = max(16, round((flops / 2) ** (1 / 3)))
+    a, tok = torch.randn(n, n), torch.zeros(256)
+
+    def run(blocking: bool) -> float:
+        comm.barrier(ctx.world)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, a)
+            if blocking:
+                comm.all_reduce(tok, ctx.world)
+        comm.barrier(ctx.world)
+        return time.perf_counter() - t0
+
+    run(True)  # warm-up
+    plain, synced = [], []
+    for _ in range(3):  # interleaved, so a change of load hits both alike
+        plain.append(run(False))
+        synced.append(run(True))
+    extra = torch.tensor([(min(synced) - min(plain)) / reps])
+    comm.all_reduce(extra, ctx.world, "max")
+    if ctx.rank == 0:
+        with open(out, "w") as f:
+            f.write(str(max(float(extra), 0.0)))
+    ctx.close()
+
+
+def measure_sync_us(world: int, tflops: float, compute_us: float = 500.0, reps: int = 60) -> float:
+    """Microseconds one blocking 1 KiB all-reduce adds between bursts of `compute_us` of
+    matmul, on `world` gloo ranks of this machine running at once: the cost of tensor
+    parallelism's pattern that burst benchmarks (bench comm) hide, dominated on CPU ranks that
+    share cores by waiting for a peer the scheduler has not run yet."""
+    import tempfile
+
+    from meshspeed.comm import launch
+
+    flops = tflops * 1e12 * compute_us * 1e-6 * min(1.0, (os.cpu_count() or 1) / world)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "sync")
+        code = launch.spawn(_sync_worker, world, (flops, reps, out))
+        if code or not os.path.exists(out):
+            raise ConfigError(f"plan --calibrate: the {world} ranks timing a blocking collective failed")
+        with open(out) as f:
+            return float(f.read()) * 1e6
 
 
 def save_calibration(machine: Machine) -> str:

@@ -193,9 +193,11 @@ def predict_step(cfg, plan, machine: Machine, params: int) -> dict:
     layers = c.n_layers / d.pp
     act = tok_mb * c.dim * elem  # one layer input of one micro-batch: [mbs, s/cp, dim]
 
+    sync = machine.sync_us * 1e-6  # a blocking collective between computes, beyond α-β
+
     def cost(op, n, dim):
         nodes = _group_nodes(d, dim, g)
-        return predict(op, "native", n, nodes, backend, links) if len(nodes) > 1 else 0.0
+        return predict(op, "native", n, nodes, backend, links) + sync if len(nodes) > 1 else 0.0
 
     comm = {}
     if d.tp > 1:
@@ -205,6 +207,10 @@ def predict_step(cfg, plan, machine: Machine, params: int) -> dict:
         else:
             one = cost("all_reduce", act, "tp")
         comm["tp"] = 2 * per * one * layers * m  # two blocks (attention, ffn) per layer
+        if sync:  # latency-bound all-reduces that only count where each pays a wait: the
+            # vocab-parallel loss's two per micro-batch and, under SP, each norm's weight gradient
+            norms = (2 * layers + 1) if cfg.parallel.sequence_parallel else 0
+            comm["tp"] += (2 + norms) * m * cost("all_reduce", 8 * tok_mb, "tp")
     if d.cp > 1:  # K and V around the ring, dK dV back; hidden behind the block attention
         kv = 2 * tok_mb * c.num_kv_heads * c.head_dim * elem / d.tp
         ring = 3 * (d.cp - 1) * cost("all_gather", kv * d.cp, "cp") / max(d.cp - 1, 1) * layers * m
@@ -215,7 +221,7 @@ def predict_step(cfg, plan, machine: Machine, params: int) -> dict:
         comm["ep"] = 4 * cost("all_to_all", n, "ep") * moe_layers * m
     if d.pp > 1:  # one activation forward and one gradient back per boundary and micro-batch
         hop = 2 if g and d.world_size // d.pp >= g else 1
-        a = machine.alpha_us * 1e-6 * hop
+        a = machine.alpha_us * 1e-6 * hop + sync
         bw = (machine.inter_gbs if hop == 2 else machine.intra_gbs) * 1e9
         comm["pp"] = 2 * m * (a + act / (d.tp if cfg.parallel.sequence_parallel else 1) / bw)
     dpcp = d.dp * d.cp

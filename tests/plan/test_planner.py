@@ -175,9 +175,22 @@ def test_calibrate_takes_the_links_bench_comm_fitted(tmp_path, monkeypatch, caps
     monkeypatch.setenv("MESHSPEED_LINK_PARAMS", str(links))
     monkeypatch.setenv("MESHSPEED_MACHINE", str(tmp_path / "machine.json"))
     monkeypatch.setattr(machine, "measure_matmul_tflops", lambda: 0.02)
-    assert main(["plan", "--calibrate"]) == 0
+    monkeypatch.setattr(machine, "measure_sync_us", lambda world, tflops: 1000.0 + world)
+    assert main(["plan", "--calibrate", "--nproc", "3"]) == 0
     m = machine.get_machine("calibrated")
+    assert m.sync_us == 1003.0  # measured at the --nproc given
     assert m.alpha_us == pytest.approx(1200.0)
     assert m.intra_gbs == pytest.approx(0.2)
     assert m.peak_tflops == pytest.approx(0.02)
     assert "α 1200 µs, 0.20 GB/s" in capsys.readouterr().out
+
+
+def test_the_blocking_collective_wait_is_measured_on_real_ranks():
+    """`plan --calibrate`'s sync measurement runs real gloo ranks (compute, a blocking
+    all-reduce, compute) and returns microseconds per collective (non-negative, finite)."""
+    import math
+
+    from meshspeed.plan.machine import measure_sync_us
+
+    us = measure_sync_us(2, tflops=0.01, compute_us=200.0, reps=5)
+    assert math.isfinite(us) and 0.0 <= us < 5e6

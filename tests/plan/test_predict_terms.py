@@ -211,3 +211,21 @@ def test_pp_sends_one_activation_each_way_per_micro_batch_and_the_bubble():
     assert pred["bubble_s"] == pytest.approx(pred["compute_s"] * 1 / m, rel=1e-9)
     assert pred["compute_s"] == pytest.approx(_compute(plan), rel=1e-9)  # the world's share
     _check_sum(pred)
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_a_measured_wait_is_charged_to_every_blocking_tp_collective(sp):
+    """sync_us (what `plan --calibrate` measures on ranks sharing cores) is added to each
+    collective, and the latency-bound all-reduces then count too: the vocab-parallel loss's two
+    and, under SP, each norm's weight gradient (2 per layer + the final norm), per micro-batch."""
+    over = (("parallel.tp", "2"), ("parallel.sequence_parallel", str(sp).lower()))
+    cfg, plan = _plan(*over)
+    params = _params(plan) // 2
+    base = predict_step(cfg, plan, MACHINE, params)["comm_s"]["tp"]
+    wait = 1e-3
+    pred = predict_step(cfg, plan, dataclasses.replace(MACHINE, sync_us=wait * 1e6), params)["comm_s"]["tp"]
+    c, m = plan.model_config(), plan.microbatches
+    calls = 2 * 2 * (2 if sp else 1) * c.n_layers * m  # the blocks' exchanges, as above
+    small = (2 + (2 * c.n_layers + 1 if sp else 0)) * m
+    scalars = small * (ring_all_reduce(2, 8 * MBS * SEQ) + wait)
+    assert pred - base == pytest.approx(calls * wait + scalars, rel=1e-9)
