@@ -15,6 +15,8 @@ Failure is designed, not left to chance:
 - each worker leads its own process group, and whatever it started (a data server, a `sleep`
   in a shell) is stopped with it when the job ends, however it ends: a grandchild left running
   would hold the job's stdout open (`meshspeed run ... | cat` would wait for it);
+- a plain torch.distributed timeout (no meshspeed diagnosis: it knows no culprit) names the
+  ranks still running without an error, the ones the waiting ranks waited for;
 - a rank still running well after its peers finished is named (the job waits for it: a rank 0
   saving or evaluating after the others is normal, a stuck one is not silent).
 
@@ -29,6 +31,7 @@ import importlib
 import math
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import sys
@@ -41,6 +44,12 @@ from meshspeed.comm.errors import ConfigError
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # How long an echo of another rank's failure waits for that rank's own report.
 _ECHO_WAIT_S = 2.0
+# A collective's timeout as torch.distributed's backends word it (gloo: "Timed out waiting
+# 5000ms for recv operation"; NCCL's watchdog: "collective operation timeout").
+_RAW_TIMEOUT = re.compile(
+    r"timed out waiting \d+ ?ms|collective operation timeout|watchdog caught|DistBackendError.*timed? ?out",
+    re.IGNORECASE,
+)
 # How long after the other ranks finished a rank still running is named (once).
 STRAGGLER_S = 30.0
 # What a worker's death by each signal usually means, for the launcher's last line.
@@ -274,6 +283,7 @@ class _Watch:
         self.echo_at: float | None = None  # when the first echo arrived
         self.done_at: float | None = None  # when a clean exit was first seen with ranks still running
         self.named = False  # the ranks still running were named
+        self.timeout_at: float | None = None  # when a plain torch.distributed timeout was first seen
 
     def poll(self) -> None:
         for r, c in enumerate(self.conns):
@@ -310,6 +320,8 @@ class _Watch:
                     detail = rep[1] if rep[1] != rep[0] else ""
                     if len(rep) > 3 and rep[3]:  # a timeout whose root cause is another rank: it first
                         self.first = (rep[3][0], f"{rep[0]} (reported by rank {r})", detail)
+                    elif _RAW_TIMEOUT.search(rep[0]):
+                        self._raw_timeout(r, rep[0], detail, codes)
                     else:
                         self.first = (r, f"rank {r} failed: {rep[0]}", detail)
                     return
@@ -317,6 +329,27 @@ class _Watch:
             if code not in (None, 0) and r in self.reports and self.reports[r] is None:
                 self.first = (r, _death(r, code), "")
                 return
+
+    def _raw_timeout(self, r: int, line: str, detail: str, codes: list) -> None:
+        """Rank r timed out in a collective meshspeed did not issue (plain torch.distributed,
+        which knows no culprit): the rank it waited for is one still running without an error.
+        The other ranks in that collective time out about together, so wait a moment for
+        their reports before naming the ranks still silent; with none, r's own line stands."""
+        silent = [q for q, c in enumerate(codes) if c is None and q not in self.reports]
+        if silent and self.alive():
+            if self.timeout_at is None:
+                self.timeout_at = time.monotonic()
+            if time.monotonic() - self.timeout_at <= _ECHO_WAIT_S:
+                return  # undecided: the next poll looks again
+        if not silent:
+            self.first = (r, f"rank {r} failed: {line}", detail)
+            return
+        who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
+        self.first = (
+            silent[0],
+            f"{who} never arrived (still running, no error) where rank {r} timed out: {line}",
+            detail,
+        )
 
     def stop(self) -> None:
         """SIGTERM (and SIGCONT, for a stopped worker) to every live worker, once."""

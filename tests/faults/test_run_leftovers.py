@@ -107,3 +107,31 @@ def test_more_workers_than_the_machine_holds_is_one_line(tmp_path, monkeypatch, 
     monkeypatch.setenv("MESHSPEED_MAX_WORKERS", str(most + 1))  # the override lets it through
     monkeypatch.setattr(launch, "spawn", lambda fn, n, *a, **k: 0 if n == most + 1 else 1)
     assert cli.main(["run", "--nproc", str(most + 1), "ok.py"]) == 0
+
+
+# meshspeed.comm.init() then plain torch.distributed: rank 2 never comes to the all_reduce.
+ABSENT = """
+import os, time
+import torch
+import torch.distributed as dist
+from meshspeed import comm
+
+ctx = comm.init()
+with open(f"pid-{ctx.rank}", "w") as f:
+    f.write(str(os.getpid()))
+if ctx.rank == 2:
+    time.sleep(600)
+dist.all_reduce(torch.ones(4))
+"""
+
+
+def test_a_plain_collective_timeout_names_the_rank_that_never_arrived(start, tmp_path):
+    """Before: "rank 1 failed: RuntimeError: ... Timed out waiting 5000ms ..." (rank 1 only
+    waited; rank 2, still running without an error, was the cause)."""
+    (tmp_path / "absent.py").write_text(textwrap.dedent(ABSENT))
+    job = start(["--nproc", "3", "absent.py"], command="run", extra_env={"MESHSPEED_TIMEOUT": "5"})
+    assert job.finish(BOUND) == 1, job.stderr[-3000:]
+    line = job.last_line()
+    assert line.startswith("meshspeed: rank 2 never arrived (still running, no error) where rank "), line
+    assert "Timed out waiting 5000ms" in line and line.endswith("(the other 2 workers were stopped)"), line
+    assert not alive(int((tmp_path / "pid-2").read_text()))
