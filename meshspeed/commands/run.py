@@ -39,6 +39,11 @@ Collectives time out where the script asks: meshspeed.comm.init() applies MESHSP
 (default 300 s) to every group; a plain init_process_group() has torch's default unless the
 script passes timeout=. Exit codes: 0 success, 1 a worker failed (after the last restart), 2 a bad
 argument (one line, before any worker starts), 128 + N stopped by signal N. See docs/run.md.
+
+Limits: --nproc at most 8 workers per core and one per 256 MiB of available memory
+(MESHSPEED_MAX_WORKERS=N raises it). When the job ends, whatever a worker started (each worker
+leads its own process group) is stopped with it; a rank still running 30 s after the others
+finished is named, and the job keeps waiting for it.
 """
 
 

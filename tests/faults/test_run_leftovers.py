@@ -135,3 +135,18 @@ def test_a_plain_collective_timeout_names_the_rank_that_never_arrived(start, tmp
     assert line.startswith("meshspeed: rank 2 never arrived (still running, no error) where rank "), line
     assert "Timed out waiting 5000ms" in line and line.endswith("(the other 2 workers were stopped)"), line
     assert not alive(int((tmp_path / "pid-2").read_text()))
+
+
+def test_meshspeed_train_takes_the_same_bound(tmp_path, monkeypatch, capsys):
+    """`meshspeed train --nproc N` starts N workers through the same launcher: the same line."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MESHSPEED_MAX_WORKERS", "2")
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("a worker was started"))
+    assert cli.main(["train", "--nproc", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "meshspeed train: --nproc=4 is more workers than this machine holds (at most 2: "
+        "MESHSPEED_MAX_WORKERS=2); use --nproc 2 or fewer, or set MESHSPEED_MAX_WORKERS=4 to start "
+        "them anyway"
+    ), err
+    assert not (tmp_path / "runs").exists()  # checked before the run directory is touched
