@@ -128,6 +128,16 @@ def trained(tmp_path_factory):
     return d / "runs" / "tiny"
 
 
+@pytest.fixture(scope="session")
+def trained_big(tmp_path_factory):
+    """runs/big: a model that tp 4 divides (inference.md's `--parallel.tp 4 --parallel.pp 2`);
+    the tiny preset with 4 key/value heads, trained 1 step."""
+    d = tmp_path_factory.mktemp("trained_big")
+    argv = ["meshspeed", "train", "--model.n_kv_heads", "4", "--run.dir", "runs/big"]
+    _ok(run(argv + ["--train.steps", "1", "--checkpoint.interval", "0"], d, 300), "runs/big")
+    return d / "runs" / "big"
+
+
 def _workdir(tmp_path):
     for name in ("configs", "examples"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
@@ -137,10 +147,10 @@ def _workdir(tmp_path):
 def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
     """Make what the command reads, as the page's earlier commands (or the user) would."""
     text = cmd.text
-    if re.search(r"runs/(tiny|big)\b|--checkpoint\.resume|\./tiny-llama", text):
-        run_dir = request.getfixturevalue("trained")
-        for name in ("tiny", "big"):
-            shutil.copytree(run_dir, cwd / "runs" / name, symlinks=True)
+    if re.search(r"runs/tiny\b|--checkpoint\.resume|\./tiny-llama", text):
+        shutil.copytree(request.getfixturevalue("trained"), cwd / "runs" / "tiny", symlinks=True)
+    if re.search(r"runs/big\b", text):
+        shutil.copytree(request.getfixturevalue("trained_big"), cwd / "runs" / "big", symlinks=True)
     if "./tiny-llama" in text:
         convert = ["meshspeed", "convert", "--checkpoint", "runs/tiny", "--to-hf", "tiny-llama"]
         _ok(run(convert, cwd, 300), "runs/tiny to tiny-llama")
