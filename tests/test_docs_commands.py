@@ -34,6 +34,9 @@ NOT_RUN = {
     r"--nnodes 2 .*\.\.\.": "two nodes; `...` stands for the rendezvous flags of the user's cluster",
     r"^meshspeed run --nproc 4 examples/hf_llama\.py$": "run as written (10 steps, its losses checked "
     "against one process) by tests/test_examples.py",
+    r"^python -m benchmarks\.gpu_report --cpu-smoke$": "every section of the GPU report at toy sizes: "
+    "576 s on 2 CPU cores, it has no smaller size; the slow tier runs it once in "
+    "tests/kernels/test_gpu_report.py::test_cpu_smoke_runs_every_step",
 }
 # what a command needs installed (the dev extra; a minimal install skips it with the reason)
 NEEDS = {
