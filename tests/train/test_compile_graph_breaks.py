@@ -3,10 +3,13 @@ a block's forward or backward and no recompilation once the first two steps and 
 have run, at one process and under tp 2 + SP (comm/traceable.py), counted from dynamo's own
 records (meshspeed.train.compile_stats); and compiled tp 2 + SP equals eager (losses, 1e-5).
 
-The trainer runs dynamo with the "aot_eager" backend (MESHSPEED_COMPILE_BACKEND): the same
-graphs, forward and backward (AOTAutograd traces the backward at the first forward), without
-inductor's C++ build, which takes minutes per graph on a shared 2-core CPU. The inductor-built
-parity sits in tests/train/test_compile.py's slow tier.
+The trainer runs dynamo with the "aot_eager" backend (MESHSPEED_COMPILE_BACKEND) behind a
+backend that reads each captured graph first: the same graphs, forward and backward
+(AOTAutograd traces the backward at the first forward), without inductor's C++ build, which
+takes minutes per graph on a shared 2-core CPU. torch 2.13 captures a `.item()` inside a block
+as an unbacked scalar rather than breaking the graph, so the graphs are also read for host
+reads (`.item()`, `.tolist()`, `aten._local_scalar_dense`): each is a device sync in the step.
+The inductor-built parity sits in tests/train/test_compile.py's slow tier.
 """
 
 from __future__ import annotations
@@ -36,6 +39,26 @@ BASE = [
 ]
 STEPS = 4
 JOB_S = 900.0
+HOST_READS: list[str] = []  # per worker process: host reads found in the graphs captured
+
+
+def _reading_backend(gm, example_inputs):
+    import torch
+
+    for n in gm.graph.nodes:
+        if (n.op == "call_method" and n.target in ("item", "tolist")) or (
+            n.op == "call_function" and n.target in (torch.ops.aten._local_scalar_dense.default,)
+        ):
+            where = [line.strip() for line in n.meta.get("stack_trace", "").splitlines() if "File" in line]
+            HOST_READS.append(f"{n.target} at {where[-1:]}")
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def _register_backend() -> None:
+    import torch
+
+    if "meshspeed_reading" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_reading_backend, "meshspeed_reading")
 
 
 def job_counts(ctx, run_dir: str, extra: list, eager_too: bool) -> dict:
@@ -44,7 +67,9 @@ def job_counts(ctx, run_dir: str, extra: list, eager_too: bool) -> dict:
     same steps without compile first, for the losses."""
     import torch
 
-    os.environ["MESHSPEED_COMPILE_BACKEND"] = "aot_eager"
+    _register_backend()
+    os.environ["MESHSPEED_COMPILE_BACKEND"] = "meshspeed_reading"
+    HOST_READS.clear()
     try:
         out: dict = {}
         for flag in ("false", "true") if eager_too else ("true",):
@@ -64,6 +89,7 @@ def job_counts(ctx, run_dir: str, extra: list, eager_too: bool) -> dict:
             out[flag] = {"warmup": warm - start, "after": end - warm, "val": vals}
             out[flag].update(losses=[r["loss"] for r in rows], norms=[r["grad_norm"] for r in rows])
             out[flag]["compiled"] = trainer.features.compiled
+        out["host_reads"] = list(HOST_READS)
         return out
     finally:
         os.environ.pop("MESHSPEED_COMPILE_BACKEND", None)
@@ -72,7 +98,8 @@ def job_counts(ctx, run_dir: str, extra: list, eager_too: bool) -> dict:
 def _check_counts(results) -> None:
     for r in results:
         c = r["true"]
-        print(f"compiled: warm-up {c['warmup']}; after {c['after']}")
+        print(f"compiled: warm-up {c['warmup']}; after {c['after']}; host reads {len(r['host_reads'])}")
+        assert not r["host_reads"], f"host reads inside compiled code: {r['host_reads']}"
         assert c["compiled"] > 0, "no block was compiled"
         warm, after = c["warmup"], c["after"]
         assert warm.graphs > 0, f"nothing was compiled: {warm}"
