@@ -80,6 +80,8 @@ def worker(args, out: str) -> None:
 
     impls = [("ulysses", 1), ("ring", 1)] + ([("hybrid", 2)] if cp >= 4 and cp % 2 == 0 else [])
     for impl, u in impls:
+        if ctx.rank == 0:
+            print(f"  {impl}: {args.steps} steps at {seq} tokens ...", flush=True)
         core = context_parallel(mesh, impl, cp_ulysses=u)
         pos = core.positions(seq)
         ql, kl, vl = (shard_sequence(t, pos) for t in (q, k, v))
@@ -151,6 +153,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.long:
         args.seq = 8192
+    harness.require_positive(parser, args, "cp", "seq", "heads", "kv_heads", "head_dim", "steps")
+    if args.seq % (2 * args.cp):  # the zigzag layout cuts the sequence in 2 * cp pieces
+        parser.error(f"--seq {args.seq}: must be a multiple of 2 × --cp = {2 * args.cp}")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads}: must be a multiple of --kv-heads {args.kv_heads}")
+    if args.head_dim % 2:
+        parser.error(f"--head-dim {args.head_dim}: must be even (rotary embedding pairs)")
     report(harness.spawn_collect(worker, args.cp, args, name="context_parallel"))
 
 

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from benchmarks import harness
 from meshspeed import comm
 from meshspeed.infer.generate import Stats, generate
 from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
@@ -42,7 +43,19 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
     a = ap.parse_args()
-    import transformers
+    harness.require_positive(ap, a, "layers", "batch", "prompt_len", "rounds")
+    if a.hidden < 64 or a.hidden % 64:  # heads of 32, key/value heads hidden / 64
+        ap.error(f"--hidden {a.hidden}: must be a multiple of 64 (32-wide heads, hidden/64 key/value heads)")
+    if a.vocab < 2:
+        ap.error(f"--vocab {a.vocab}: must be at least 2 (token 0 pads)")
+    if a.new < 2:
+        ap.error(f"--new {a.new}: must be at least 2 (decode speed is over the tokens after the first)")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: no GPU here; use --device cpu")
+    try:
+        import transformers
+    except ImportError:
+        ap.error("needs transformers (the peer): pip install -e .[dev]")
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -91,6 +104,7 @@ def main() -> None:
     n_dec = a.batch * (a.new - 1)
     rows = {k: [] for k in ("ms_pre", "ms_dec", "hf_pre", "hf_dec")}
     for r in range(a.rounds):
+        print(f"  round {r + 1}/{a.rounds} ...", flush=True)
         for who in ("ms", "hf") if r % 2 == 0 else ("hf", "ms"):
             if who == "ms":
                 _, s = ms()

@@ -108,7 +108,9 @@ def worker(args, out: str) -> None:
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in FEATURES:
+        for i, (name, extra) in enumerate(FEATURES, 1):
+            if ctx.rank == 0:  # each row builds a trainer and trains: tens of seconds on 2 cores
+                print(f"  [{i}/{len(FEATURES)}] {name} ...", flush=True)
             run_dir = os.path.join(tmp, name.replace(" ", "-"))
             try:
                 cfg = config.load(None, overrides(args, run_dir) + extra)
@@ -160,6 +162,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--no-zero3", action="store_true", help="skip the ZeRO-3 against FSDP2 part")
     args = parser.parse_args()
+    harness.require_positive(parser, args, "nproc", "steps", "dim", "layers", "seq")
+    if args.dim % 8 or (args.dim // 8) % 2:  # the small preset's 8 heads, RoPE's even head size
+        parser.error(f"--dim {args.dim}: must be a multiple of 16 (8 heads of an even size), e.g. 64 or 256")
     report(harness.spawn_collect(worker, args.nproc, args, name="memory benchmark"), args)
     if not args.no_zero3:
         zero3.main(["--nproc", str(args.nproc)])

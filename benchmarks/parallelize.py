@@ -113,10 +113,14 @@ def worker(args_dict: dict, out: str) -> None:
         ]
         steps, losses = {}, {}
         for key in SIDES:
+            if ctx.rank == 0:
+                print(f"  {LABELS[key]}: building, {args.warmup} warm-up step(s) ...", flush=True)
             steps[key] = build(key, args, mesh)
             losses[key] = harness.first_losses(steps[key], data, mesh["dp"])
             for i in range(args.warmup):
                 steps[key](*data[i % len(data)])
+        if ctx.rank == 0:
+            print(f"  timing {args.rounds} rounds × {args.steps} steps per side ...", flush=True)
         times = harness.interleaved_rounds(ctx, steps, lambda i: data[i % len(data)], args.rounds, args.steps)
         peak = {}
         for key in SIDES:  # one more step each, counted
@@ -187,6 +191,15 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     harness.require_positive(p, args, *(k for k in DEFAULTS if k not in ("seed", "warmup")))
+    if args.batch % args.nproc:
+        p.error(f"--batch {args.batch}: must be a multiple of --nproc {args.nproc}")
+    heads, kv = max(1, args.dim // 64), max(1, args.dim // 128)
+    if args.dim % heads or (args.dim // heads) % 2 or heads % kv:
+        p.error(f"--dim {args.dim}: {heads} heads of an even size must divide it; use a multiple of 128")
+    try:
+        import transformers  # noqa: F401  (the model under test is a transformers Llama)
+    except ImportError:
+        p.error("needs transformers: pip install -e .[dev]")
     rows = run(**{k: getattr(args, k) for k in DEFAULTS})
     report(rows)
     if args.json:

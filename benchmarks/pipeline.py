@@ -359,7 +359,13 @@ def parse_args(argv):
         help="write each schedule's measured and simulated timeline to DIR/<schedule>/",
     )
     args = p.parse_args(argv)
+    sizes = ("pp", "microbatches", "micro", "seq_len", "layers", "dim", "steps", "rounds")
+    harness.require_positive(p, args, *sizes)
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: must be 0 or more")
     args.parts = args.parts.split(",")
+    if not args.parts or set(args.parts) - {"bubble", "peer"}:
+        p.error(f"--parts {','.join(args.parts)}: choose bubble, peer or bubble,peer")
     return args
 
 

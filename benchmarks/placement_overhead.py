@@ -69,6 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--nproc", type=int, default=2)
     args = ap.parse_args(argv)
+    harness.require_positive(ap, args, "iters", "nproc")
+    if 64 % args.nproc:  # each size's output features split evenly over the ranks
+        ap.error(f"--nproc {args.nproc}: must divide 64, the smallest layer's outputs (1, 2, 4, ..., 64)")
     rows = harness.spawn_collect(worker, args.nproc, args.iters, name="placement_overhead")
     print(f"# column-parallel linear fwd+bwd, 64 tokens, {args.nproc} gloo ranks, 1 thread each")
     print(f"{'in':>6} {'out':>6} {'meshspeed us':>13} {'DTensor us':>11} {'DTensor/meshspeed':>18}")

@@ -219,6 +219,15 @@ def main() -> int:
     bad = [k for k in keys if k not in RUNS]
     if bad:
         p.error(f"unknown run(s) {', '.join(bad)}; choose from {', '.join(RUNS)}")
+    harness.require_positive(p, args, "steps", "batch", "seq_len", "eval_batches", "nproc", "update_interval")
+    from meshspeed.models.presets import PRESETS
+
+    if args.preset not in PRESETS:
+        p.error(f"--preset {args.preset}: not a preset; choose from {', '.join(PRESETS)}")
+    if args.batch % args.nproc:
+        p.error(f"--batch {args.batch}: must be a multiple of --nproc {args.nproc}")
+    if "nm-cosine-finish" in keys and not 0 <= args.finish < args.steps:
+        p.error(f"--finish {args.finish}: the dense finish must be 0 to --steps - 1 ({args.steps - 1})")
     print(
         f"{args.preset} preset, embedded corpus, {args.steps} steps, "
         f"global batch {args.batch} x {args.seq_len} tokens "
@@ -230,7 +239,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = args.out or tmp
         results = []
-        for k in keys:
+        for i, k in enumerate(keys, 1):  # a run is a whole `meshspeed train`: minutes at the defaults
+            print(f"  [{i}/{len(keys)}] {k}: {args.steps} steps ...", flush=True)
             results.append(run_one(k, args, out_dir))
             r = results[-1]
             print(f"  {r['label']}: val loss {r['val_loss']:.4f} in {r['wall_s']:.0f}s", flush=True)

@@ -196,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the rows to this file")
     args = p.parse_args(argv)
     harness.require_positive(p, args, "iters", "update_interval", "micro_batches")
+    try:
+        shapes = parse_shapes(args.shapes) if args.shapes else []
+    except ValueError:
+        p.error(f"--shapes {args.shapes!r}: write INxOUT@TOKENS,... (e.g. 128x256@64)")
+    bad = [s[0] for s in shapes if s[1] % 4 or s[2] % 4 or s[3] < 1]
+    if bad:
+        p.error(f"--shapes {', '.join(bad)}: IN, OUT multiples of 4 (2:4 in 4 × 4 blocks), TOKENS > 0")
     cuda = (torch.cuda.is_available() and not args.cpu) or args.stand_in
     if cuda and not args.stand_in and (torch.cuda.get_device_capability() < (8, 0) or not cslt_available()):
         print(f"{torch.cuda.get_device_name()}: no cuSPARSELt 2:4 kernels here; the CPU table instead")

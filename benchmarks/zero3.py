@@ -111,6 +111,8 @@ def worker(args_dict: dict, out: str) -> None:
         data = harness.token_batches(args.seed, vocab, args.batch, args.seq_len, ctx.rank, ctx.world_size)
         sides = {}
         for key, label, build in SIDES:
+            if ctx.rank == 0:
+                print(f"  {label}: building, {args.warmup} warm-up step(s) ...", flush=True)
             torch.manual_seed(args.seed)
             step, sampler, count, z, keep = build(args, mesh)
             losses = harness.first_losses(step, data, mesh["dp"])
@@ -124,6 +126,8 @@ def worker(args_dict: dict, out: str) -> None:
             if s["z"] is not None:
                 s["z"].peak_bytes = 0  # from here: the timed steps only
         steps = {key: s["step"] for key, s in sides.items()}
+        if ctx.rank == 0:
+            print(f"  timing {args.rounds} rounds × {args.steps} steps per side ...", flush=True)
         times = harness.interleaved_rounds(ctx, steps, lambda i: data[i % len(data)], args.rounds, args.steps)
         res = {}
         for key, s in sides.items():
