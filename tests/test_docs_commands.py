@@ -168,7 +168,15 @@ def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
         (cwd / "train.py").write_text(TRAIN_PY)
     for name in re.findall(r"--layout-from (\S+)", text):  # the page's command that writes it
         maker = next(c for c in doc_commands.commands() if c.stdout_to == name)
+        _calibrate(maker.text, cwd)
         _ok(run(doc_commands.shorten(maker.argv), cwd, 300, maker.stdout_to), maker.text)
+    _calibrate(text, cwd)
+
+
+def _calibrate(text: str, cwd) -> None:
+    """`--device calibrated` reads MESHSPEED_MACHINE: made by the page's `meshspeed plan --calibrate`."""
+    if "--device calibrated" in text and not (cwd / "machine.json").exists():
+        _ok(run(["meshspeed", "plan", "--calibrate"], cwd, 300), "meshspeed plan --calibrate")
 
 
 @pytest.mark.parametrize("cmd", list(_params()))
