@@ -45,6 +45,7 @@ from meshspeed import comm, models
 from meshspeed.comm.launch import headline
 from meshspeed.memory import cpu_peak_bytes
 from meshspeed.models.flops import flops_per_token
+from meshspeed.train.compile_stats import compile_stats
 
 CPU_SHAPES = {"tiny": (8, 128), "small": (4, 256)}  # preset: (batch, seq_len) of the CPU default
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel")  # prefixes: the Ex variants count too
@@ -253,13 +254,19 @@ def compare(args, preset: str, dtype: str) -> list[dict]:
 
             return run
 
+        dynamo = {}  # side -> graph breaks and recompiles (train/compile_stats.py)
         for name in order:  # warm-up (and compilation) outside the clock
+            before = compile_stats()
             for i in range(2):
                 sides[name](*data[i % len(data)])
+            dynamo[name] = compile_stats() - before
             timers[name].ms.clear()
+        before = compile_stats()
         rounds = harness.interleaved_rounds(
             args.ctx, {n: timed_side(sides[n]) for n in order}, lambda i: data[i], args.rounds, args.steps
         )
+        if "+ compile" in dynamo:  # only the compiled side can compile while timed
+            dynamo["+ compile"] = dynamo["+ compile"] + (compile_stats() - before)
         flops = flops_per_token(mc, seq)
         for name in order:
             ms = statistics.median(rounds[name])
@@ -270,6 +277,7 @@ def compare(args, preset: str, dtype: str) -> list[dict]:
             if name in trainers:
                 row["buckets"] = len(trainers[name].dp.buckets)
             row["peak_mb"] = peak_memory(args, sides[name], data[0], trainers.get(name), probes[name]) / 2**20
+            row["dynamo"] = dataclasses.asdict(dynamo[name])  # for --json
             rows.append(row)
         for name in order:
             if SIDES[name] in args.profile:
@@ -378,6 +386,13 @@ def print_table(preset, dtype, rows) -> None:
             f"{r['tokens_per_s']:>10,.0f} {_fmt(r['mfu'] and 100 * r['mfu'], '>5.1f'):>6} "
             f"{r['peak_mb']:>9.1f} {_fmt(r['opt_ms'], '>8.2f')} {r['opt_ops']:>8} {_fmt(per, '>10.1f'):>10}"
         )
+    compiled = [
+        f"{r['side']}: graph breaks {r['dynamo']['graph_breaks']}, recompiles {r['dynamo']['recompiles']}"
+        for r in rows
+        if "dynamo" in r
+    ]
+    if compiled:  # per side, warm-up and timed steps: train.compile's blocks should not break
+        print("  dynamo: " + "; ".join(compiled))
 
 
 def print_optimizer(preset, rows) -> None:

@@ -25,6 +25,9 @@ class CompileStats:
     def __sub__(self, other: CompileStats) -> CompileStats:
         return CompileStats(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
+    def __add__(self, other: CompileStats) -> CompileStats:
+        return CompileStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
     def line(self) -> str:
         return f"graph breaks {self.graph_breaks}, recompiles {self.recompiles}, graphs {self.graphs}"
 
