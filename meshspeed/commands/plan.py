@@ -108,7 +108,8 @@ def calibrate(args) -> int:
     # tensor parallelism's pattern — compute, a blocking collective, compute — on `world` ranks
     # at once: what a step pays per collective here beyond the links' α-β (issue 45: tp layouts
     # measured 4-8x their α-β prediction on 2 shared cores)
-    sync_us = measure_sync_us(world, tflops)
+    sizes = [g for g in range(2, world + 1) if world % g == 0]
+    sync_us = {str(g): measure_sync_us(world, tflops, 1000.0, group_size=g) for g in sizes}
     links = cost_model.load("gloo")
     # `bench comm` fits each collective on its own ("native:all_gather.intra", ...); the machine
     # has one intra-node link, so take the median of those fits. Without a fit: the defaults.
@@ -137,8 +138,9 @@ def calibrate(args) -> int:
         where = "links: the built-in defaults (run `meshspeed bench comm --nproc 4` first to fit them)"
     print(
         f"meshspeed plan: matmul {tflops * 1e3:.1f} GFLOP/s; {where}, "
-        f"α {a * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s; a blocking collective between computes on "
-        f"{world} ranks {sync_us:.0f} µs; stored in {path}"
+        f"α {a * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s; a blocking collective between computes, "
+        f"{world} ranks busy: " + ", ".join(f"{us:.0f} µs in groups of {g}" for g, us in sync_us.items())
+        + f"; stored in {path}"
     )
     return 0
 

@@ -37,10 +37,20 @@ class Machine:
     attn_eff: float = 0.50  # ... for the attention core
     tile: float = 128.0  # rows/columns at which a matmul runs at half its large-size rate
     shared_cores: int = 0  # CPU ranks share this many cores (0: each rank owns its device)
-    # What one blocking collective between two bursts of compute costs beyond the α-β formula:
-    # on CPU ranks sharing cores, the wait for a peer that the scheduler has not run yet (a
-    # tensor-parallel step is hundreds of them). Measured by `plan --calibrate`; 0 on devices.
-    sync_us: float = 0.0
+    # What one blocking collective between two bursts of compute costs beyond the α-β formula,
+    # per group size ("2": µs, ...): on CPU ranks sharing cores, the wait for peers the
+    # scheduler has not run yet, which grows with the group (a tensor-parallel step is hundreds
+    # of them). Measured by `plan --calibrate`; none on devices.
+    sync_us: dict = dataclasses.field(default_factory=dict)
+
+    def sync_s(self, group: int) -> float:
+        """Seconds of that wait for a group of `group` ranks: the largest measured group not
+        above it (the smallest measured one below all of them)."""
+        sizes = sorted(int(k) for k in self.sync_us)
+        if group < 2 or not sizes:
+            return 0.0
+        below = [k for k in sizes if k <= group]
+        return self.sync_us[str(below[-1] if below else sizes[0])] * 1e-6
 
     def rank_peak(self, world: int) -> float:
         """FLOP/s one rank gets: the device's, or its share of the cores ranks run on together."""
@@ -129,13 +139,17 @@ def measure_matmul_tflops(n: int = 1024, dtype=None, seconds: float = 1.0) -> fl
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
-def _sync_worker(flops: float, reps: int, out: str) -> None:
+def _sync_worker(flops: float, reps: int, out: str, group_size: int = 0) -> None:
     import torch
 
     from meshspeed import comm
 
     ctx = comm.init("gloo")
     torch.set_num_threads(1)
+    g = group_size or ctx.world_size
+    group = ctx.world
+    if g < ctx.world_size:  # groups of g side by side, as tp's groups are
+        group = comm.ParallelDims(dp=ctx.world_size // g, tp=g).build(ctx)["tp"]
     n = max(16, round((flops / 2) ** (1 / 3)))
     a, tok = torch.randn(n, n), torch.zeros(256)
 
@@ -145,7 +159,7 @@ def _sync_worker(flops: float, reps: int, out: str) -> None:
         for _ in range(reps):
             torch.mm(a, a)
             if blocking:
-                comm.all_reduce(tok, ctx.world)
+                comm.all_reduce(tok, group)
         comm.barrier(ctx.world)
         return time.perf_counter() - t0
 
@@ -162,7 +176,9 @@ def _sync_worker(flops: float, reps: int, out: str) -> None:
     ctx.close()
 
 
-def measure_sync_us(world: int, tflops: float, compute_us: float = 500.0, reps: int = 60) -> float:
+def measure_sync_us(
+    world: int, tflops: float, compute_us: float = 500.0, reps: int = 60, group_size: int = 0
+) -> float:
     """Microseconds one blocking 1 KiB all-reduce adds between bursts of `compute_us` of
     matmul, on `world` gloo ranks of this machine running at once: the cost of tensor
     parallelism's pattern that burst benchmarks (bench comm) hide, dominated on CPU ranks that
@@ -174,7 +190,7 @@ def measure_sync_us(world: int, tflops: float, compute_us: float = 500.0, reps: 
     flops = tflops * 1e12 * compute_us * 1e-6 * min(1.0, (os.cpu_count() or 1) / world)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "sync")
-        code = launch.spawn(_sync_worker, world, (flops, reps, out))
+        code = launch.spawn(_sync_worker, world, (flops, reps, out, group_size))
         if code or not os.path.exists(out):
             raise ConfigError(f"plan --calibrate: the {world} ranks timing a blocking collective failed")
         with open(out) as f:

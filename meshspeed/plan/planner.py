@@ -193,11 +193,11 @@ def predict_step(cfg, plan, machine: Machine, params: int) -> dict:
     layers = c.n_layers / d.pp
     act = tok_mb * c.dim * elem  # one layer input of one micro-batch: [mbs, s/cp, dim]
 
-    sync = machine.sync_us * 1e-6  # a blocking collective between computes, beyond α-β
-
-    def cost(op, n, dim):
+    def cost(op, n, dim):  # + the wait a blocking collective between computes pays here
         nodes = _group_nodes(d, dim, g)
-        return predict(op, "native", n, nodes, backend, links) + sync if len(nodes) > 1 else 0.0
+        if len(nodes) < 2:
+            return 0.0
+        return predict(op, "native", n, nodes, backend, links) + machine.sync_s(len(nodes))
 
     comm = {}
     if d.tp > 1:
@@ -207,7 +207,7 @@ def predict_step(cfg, plan, machine: Machine, params: int) -> dict:
         else:
             one = cost("all_reduce", act, "tp")
         comm["tp"] = 2 * per * one * layers * m  # two blocks (attention, ffn) per layer
-        if sync:  # latency-bound all-reduces that only count where each pays a wait: the
+        if machine.sync_us:  # latency-bound all-reduces that only count where each pays a wait: the
             # vocab-parallel loss's two per micro-batch and, under SP, each norm's weight gradient
             norms = (2 * layers + 1) if cfg.parallel.sequence_parallel else 0
             comm["tp"] += (2 + norms) * m * cost("all_reduce", 8 * tok_mb, "tp")
@@ -221,7 +221,7 @@ def predict_step(cfg, plan, machine: Machine, params: int) -> dict:
         comm["ep"] = 4 * cost("all_to_all", n, "ep") * moe_layers * m
     if d.pp > 1:  # one activation forward and one gradient back per boundary and micro-batch
         hop = 2 if g and d.world_size // d.pp >= g else 1
-        a = machine.alpha_us * 1e-6 * hop + sync
+        a = machine.alpha_us * 1e-6 * hop + machine.sync_s(2)
         bw = (machine.inter_gbs if hop == 2 else machine.intra_gbs) * 1e9
         comm["pp"] = 2 * m * (a + act / (d.tp if cfg.parallel.sequence_parallel else 1) / bw)
     dpcp = d.dp * d.cp

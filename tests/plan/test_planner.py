@@ -175,10 +175,12 @@ def test_calibrate_takes_the_links_bench_comm_fitted(tmp_path, monkeypatch, caps
     monkeypatch.setenv("MESHSPEED_LINK_PARAMS", str(links))
     monkeypatch.setenv("MESHSPEED_MACHINE", str(tmp_path / "machine.json"))
     monkeypatch.setattr(machine, "measure_matmul_tflops", lambda: 0.02)
-    monkeypatch.setattr(machine, "measure_sync_us", lambda world, tflops: 1000.0 + world)
-    assert main(["plan", "--calibrate", "--nproc", "3"]) == 0
+    fake_sync = lambda world, tflops, us, group_size: 10 * world + group_size  # noqa: E731
+    monkeypatch.setattr(machine, "measure_sync_us", fake_sync)
+    assert main(["plan", "--calibrate", "--nproc", "4"]) == 0
     m = machine.get_machine("calibrated")
-    assert m.sync_us == 1003.0  # measured at the --nproc given
+    assert m.sync_us == {"2": 42.0, "4": 44.0}  # each group size of the --nproc given
+    assert m.sync_s(2) == 42e-6 and m.sync_s(3) == 42e-6 and m.sync_s(8) == 44e-6 and m.sync_s(1) == 0.0
     assert m.alpha_us == pytest.approx(1200.0)
     assert m.intra_gbs == pytest.approx(0.2)
     assert m.peak_tflops == pytest.approx(0.02)

@@ -223,7 +223,8 @@ def test_a_measured_wait_is_charged_to_every_blocking_tp_collective(sp):
     params = _params(plan) // 2
     base = predict_step(cfg, plan, MACHINE, params)["comm_s"]["tp"]
     wait = 1e-3
-    pred = predict_step(cfg, plan, dataclasses.replace(MACHINE, sync_us=wait * 1e6), params)["comm_s"]["tp"]
+    waits = {"2": wait * 1e6, "4": 99.0}  # groups of 4 wait longer; tp's group is 2
+    pred = predict_step(cfg, plan, dataclasses.replace(MACHINE, sync_us=waits), params)["comm_s"]["tp"]
     c, m = plan.model_config(), plan.microbatches
     calls = 2 * 2 * (2 if sp else 1) * c.n_layers * m  # the blocks' exchanges, as above
     small = (2 + (2 * c.n_layers + 1 if sp else 0)) * m
