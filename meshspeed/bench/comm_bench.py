@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from meshspeed import comm
-from meshspeed.bench.comm_fit import _fmt_size, choices, fit_and_predict, fit_errors, plot
+from meshspeed.bench.comm_fit import choices, fit_and_predict, fit_errors, fmt_size, plot
 from meshspeed.comm import cost_model
 from meshspeed.comm.raw import raw_call
 
@@ -274,7 +274,7 @@ def format_table(rows: list[dict], p: int, backend: str) -> str:
     for r in rows:
         algo = r["algo"] if r["algo"] != "auto" else f"auto:{r['resolved']}"
         lines.append(
-            f"  {_fmt_size(r['bytes']):>8} {r['count']:>10} {r['dtype']:>8} {r['redop']:>5} {r['op']:>14} "
+            f"  {fmt_size(r['bytes']):>8} {r['count']:>10} {r['dtype']:>8} {r['redop']:>5} {r['op']:>14} "
             f"{algo:>12} "
             f"{r['time_us']:>9.1f} {r['algbw_gbps']:>7.3f} {r['busbw_gbps']:>7.3f} {r['wrong']:>6} "
             f"{r['raw_busbw_gbps']:>9.3f} {r['busbw_gbps'] / r['raw_busbw_gbps']:>6.2f} "
@@ -308,7 +308,7 @@ def summary(rows: list[dict]) -> str:
         out.append(
             f"# noisy (rounds spread > {NOISY_SPREAD:.0%} after {NOISY_RETRIES} retries), not fitted and "
             f"not used to choose (the nearest quiet size decides): {len(noisy)} rows, e.g. {noisy[0]['op']} "
-            f"{_fmt_size(noisy[0]['bytes'])} ({noisy[0]['spread']:.0%})"
+            f"{fmt_size(noisy[0]['bytes'])} ({noisy[0]['spread']:.0%})"
         )
     wrong = sum(r["wrong"] for r in rows)
     out.append(f"# wrong elements: {wrong}")
@@ -328,7 +328,7 @@ def worker(cfg: BenchConfig) -> None:
     def progress(i, n, op, nbytes):
         if not lead:
             return
-        msg = f"[{i:>3}/{n}] {op} {_fmt_size(nbytes)}" if op else f"[{n}/{n}] done"
+        msg = f"[{i:>3}/{n}] {op} {fmt_size(nbytes)}" if op else f"[{n}/{n}] done"
         if tty:
             print(f"\r{msg:<50}", end="" if op else "\n", file=sys.stderr, flush=True)
         elif i % max(1, n // 10) == 0 or not op:

@@ -11,7 +11,7 @@ from meshspeed import comm
 from meshspeed.comm import cost_model
 
 
-def _fmt_size(n: int) -> str:
+def fmt_size(n: int) -> str:
     for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= div and n % div == 0:
             return f"{n // div}{unit}"
@@ -86,7 +86,7 @@ def choices(params: cost_model.LinkParams, rows: list[dict], nodes: list[int], b
                 picks[-1][0][1] = nbytes
             else:
                 picks.append([[nbytes, nbytes], algo])
-        text = ", ".join(f"{_fmt_size(lo)}–{_fmt_size(hi)} {a}" for (lo, hi), a in picks)
+        text = ", ".join(f"{fmt_size(lo)}–{fmt_size(hi)} {a}" for (lo, hi), a in picks)
         out.append(f"#   {op:<15} {text}")
     return out
 
