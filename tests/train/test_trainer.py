@@ -8,6 +8,7 @@ are compared with the same 10 steps in one process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -189,8 +190,10 @@ def test_cli_trains_and_reports(tmp_path):
     assert [r["step"] for r in rows] == list(range(6))
     assert set(rows[0]) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
     assert "val_loss" in rows[2] and "val_loss" in rows[5] and "val_loss" not in rows[0]
-    assert (tmp_path / "run" / "loss.png").exists() and (tmp_path / "run" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "model.safetensors").exists()
     assert (tmp_path / "run" / "step-000006" / "COMPLETE").exists()
+    # the loss curve is drawn with matplotlib (the dev extra); a minimal install writes none
+    assert (tmp_path / "run" / "loss.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 BAD_SETTINGS = [
