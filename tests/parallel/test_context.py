@@ -19,8 +19,6 @@ from meshspeed.comm.errors import ConfigError
 from meshspeed.models import build_model, cross_entropy_loss, get_preset
 from meshspeed.models.llama import attention_core, document_positions
 from meshspeed.parallel.context import (
-    _block_fwd,
-    _merge,
     apply_context_parallel,
     check_cp,
     context_parallel,
@@ -28,6 +26,7 @@ from meshspeed.parallel.context import (
     kv_replication,
     shard_sequence,
 )
+from meshspeed.parallel.ring_blocks import block_fwd, merge
 from tests import harness
 from tests.train.test_trainer import assert_rows_close
 
@@ -158,13 +157,13 @@ def test_block_merge_equals_full_attention_and_masked_block_is_finite():
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"))
     none = torch.zeros(1, 1, 1, 5, 4, dtype=torch.bool)
-    o_m, lse_m = _block_fwd(q, k[:, :, :4], v[:, :, :4], scale, none)
+    o_m, lse_m = block_fwd(q, k[:, :, :4], v[:, :, :4], scale, none)
     assert torch.isfinite(o_m).all() and (o_m == 0).all() and torch.isneginf(lse_m).all()
-    _merge(out, lse, 0, 5, o_m, lse_m)
+    merge(out, lse, 0, 5, o_m, lse_m)
     assert torch.isfinite(out).all()
     for a, b in ((0, 6), (6, 10)):
-        o, blk = _block_fwd(q, k[:, :, a:b], v[:, :, a:b], scale, None)
-        _merge(out, lse, 0, 5, o, blk)
+        o, blk = block_fwd(q, k[:, :, a:b], v[:, :, a:b], scale, None)
+        merge(out, lse, 0, 5, o, blk)
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
@@ -339,8 +338,8 @@ def test_block_kernels_on_cuda_match_cpu():
     """On CUDA the ring blocks take the explicit float32 path (no CPU flash kernel): same math."""
     q, k, v = rnd(1, 2, 2, 3, 6, 8), rnd(2, 2, 2, 6, 8), rnd(3, 2, 2, 6, 8)
     causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None, None]
-    want_o, want_lse = _block_fwd(q, k, v, 0.3, causal)
-    got_o, got_lse = _block_fwd(q.cuda(), k.cuda(), v.cuda(), 0.3, causal.cuda())
+    want_o, want_lse = block_fwd(q, k, v, 0.3, causal)
+    got_o, got_lse = block_fwd(q.cuda(), k.cuda(), v.cuda(), 0.3, causal.cuda())
     assert torch.allclose(got_o.cpu(), want_o, rtol=1e-5, atol=1e-6)
     assert torch.allclose(got_lse.cpu(), want_lse, rtol=1e-5, atol=1e-6)
 

@@ -21,22 +21,22 @@ RING_CASES = [(2, "ring", 1), (3, "ring", 1), (4, "ring", 1), (4, "hybrid", 2), 
 
 
 def job_forced(ctx, impl: str, u: int, packed: bool) -> tuple[list[str], dict]:
-    from meshspeed.parallel import context
+    from meshspeed.parallel import ring_blocks
 
-    fused, causal_mask = context._fused, context._causal_mask
+    fused, causal_mask = ring_blocks.fused, ring_blocks.causal_mask
     seen = {"none": 0, "causal": 0, "documents": 0}
 
     def counting(mask, q, k):
-        kind = "none" if mask is None else "causal" if mask is context.CAUSAL else "documents"
+        kind = "none" if mask is None else "causal" if mask is ring_blocks.CAUSAL else "documents"
         seen[kind] += 1
         return causal_mask(mask, q, k)
 
-    context._fused = lambda q, mask: False  # what any device but the CPU gets
-    context._causal_mask = counting
+    ring_blocks.fused = lambda q, mask: False  # what any device but the CPU gets
+    ring_blocks.causal_mask = counting
     try:
         return job_attention(ctx, impl, u, packed), seen
     finally:
-        context._fused, context._causal_mask = fused, causal_mask
+        ring_blocks.fused, ring_blocks.causal_mask = fused, causal_mask
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
