@@ -11,11 +11,15 @@ A command shown on several pages runs once, under its first page (README.md firs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -111,10 +115,54 @@ def _argv(argv: list[str]) -> list[str]:
 
 
 def run(argv: list[str], cwd, timeout: int, stdout_to: str | None = None) -> subprocess.CompletedProcess:
-    done = warm.run(_argv(argv), cwd=str(cwd), env=_env(cwd), timeout=timeout, capture_output=True, text=True)
+    cmd = _argv(argv)
+    if warm._warm_module(cmd) is not None:  # a warm command's timeout ends everything it started
+        done = warm.run(cmd, cwd=str(cwd), env=_env(cwd), timeout=timeout, capture_output=True, text=True)
+    else:
+        done = _cold(cmd, cwd, timeout)
     if stdout_to:
         (cwd / stdout_to).write_text(done.stdout)
     return done
+
+
+def _cold(cmd: list[str], cwd, timeout: int) -> subprocess.CompletedProcess:
+    """A benchmark or torchrun, started cold. subprocess.run's timeout kills the command alone:
+    the workers it started would run on, orphaned, taking the 2 cores from every later case (a
+    slow tier that never ends). Here a command past its timeout and its process group get SIGTERM
+    (a launcher stops its workers), then everything it had started is killed, and the case fails
+    naming the command."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, cwd=str(cwd), env=_env(cwd), stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            started = _descendants(proc.pid)  # before the signal: then they are still its children
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid in [proc.pid, *started]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            out.seek(0)
+            err.seek(0)
+            tail = f"{out.read()[-2000:]}\n{err.read()[-2000:]}"
+            pytest.fail(f"{shlex.join(cmd)} ran past its {timeout} s; the end of its output:\n{tail}")
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [d for k in map(int, kids) for d in (k, *_descendants(k))]
 
 
 def _ok(done: subprocess.CompletedProcess, what) -> None:
