@@ -13,8 +13,9 @@ dtype. Float32 statistics (RMSNorm's rsqrt, the attention log-sum-exp) are 4 byt
   keeps only w1 x and w3 x: 2·T·f·e;
 - `full`: the block input, T·dim·e.
 MoE blocks (`moe_ffn_bytes`) replace the SwiGLU term; tensor parallelism divides heads and
-hidden by tp. Under sequence parallelism the norms run on T/tp rows and each column-parallel
-projection (wq, wk, wv, w1, w3) keeps its own all-gathered T-row input: 5·T·dim·e per block.
+hidden by tp. Under sequence parallelism the norms run on T/tp rows and the column-parallel
+projections keep the all-gathered T-row input, one per norm output (wq, wk, wv share one, w1
+and w3 the other): 2·T·dim·e per block.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def layer_activation_bytes(
     heads, kv = n_heads // tp, max(1, n_kv_heads // tp)
     f = -(-ffn_hidden // tp)  # torch.chunk piece: the largest
     if sequence_parallel and tp > 1:
-        # the norms run on T/tp rows; wq, wk, wv, w1 and w3 each keep their own all-gathered
-        # T-row input (five copies: parallel/tensor.py gathers per projection)
+        # the norms run on T/tp rows; wq, wk and wv share one all-gathered T-row input, w1 and
+        # w3 another (parallel/tensor.py gathers each norm output once)
         rows = -(-t // tp)
-        norms = 2 * (rows * dim * (4 + elem) + 4 * rows) + 5 * t * dim * elem
+        norms = 2 * (rows * dim * (4 + elem) + 4 * rows) + 2 * t * dim * elem
     else:
         norms = 2 * (t * dim * (4 + 2 * elem) + 4 * t)
     if mode == "selective":

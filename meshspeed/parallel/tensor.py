@@ -66,14 +66,21 @@ def _check_seq(seq: int, group: comm.Group) -> None:
         )
 
 
-# Per tp group: (input, its version, grad mode, the gathered input) of the last SP gather, all
-# weak. Sibling projections — q, k and v, or gate and up — read the same normed activations,
-# and under SP each would all-gather them and reduce-scatter its gradient on its own: three
-# (or two) collectives each way where one suffices. The gathered tensor is reused while it is
-# alive (the first sibling's matmul saves it for backward), so autograd sums the siblings'
-# gradients into it and its one reduce-scatter runs once. Weak references: nothing is kept
-# alive past the step, and a new input (or one changed in place) is gathered afresh.
+# Per tp group: the last SP gather — (its input, weakly; the input's version; grad mode; the
+# gathered tensor). Sibling projections — q, k and v, or gate and up — read the same normed
+# activations, and under SP each would all-gather them and reduce-scatter its gradient on its
+# own: three (or two) collectives each way where one suffices. The gathered tensor is reused
+# for the same unchanged input in the same grad mode, so autograd sums the siblings' gradients
+# into it and its one reduce-scatter runs once. It is held only as long as its input lives
+# (a finalizer on the input drops it), so nothing outlives the block that made it, and the
+# reuse is the same whether the matmuls keep it for backward or a recompute discards it.
 _SP_GATHERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _forget(memo_ref, group_ref, key: int) -> None:
+    memo, group = memo_ref(), group_ref()
+    if memo is not None and group is not None and id(memo.get(group, (None,))[0]) == key:
+        memo.pop(group, None)
 
 
 def _gather_once(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -83,12 +90,13 @@ def _gather_once(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
         return comm.gather_sp(x, group, 1)
     last = _SP_GATHERED.get(group)
     if last is not None:
-        src, version, grad, out = last
-        y = out()
-        if y is not None and src() is x and version == x._version and grad == torch.is_grad_enabled():
+        src, version, grad, y = last
+        if src() is x and version == x._version and grad == torch.is_grad_enabled():
             return y
     y = comm.gather_sp(x, group, 1)
-    _SP_GATHERED[group] = (weakref.ref(x), x._version, torch.is_grad_enabled(), weakref.ref(y))
+    src = weakref.ref(x)
+    _SP_GATHERED[group] = (src, x._version, torch.is_grad_enabled(), y)
+    weakref.finalize(x, _forget, weakref.ref(_SP_GATHERED), weakref.ref(group), id(src))
     return y
 
 
