@@ -107,7 +107,8 @@ def _measured(p2p_intra=(1e-5, 2e-10, 3e-10)) -> cm.LinkParams:
     p = cm.LinkParams.defaults("gloo")
     p.values["p2p.intra"] = p2p_intra
     p.source, p.machine = "test", cm.this_machine()
-    p.measured = {"all_to_all": [{"p": 4, "link": "intra", "bytes": 1024, "us": {"native": 9.0, "pairwise": 5.0}}]}
+    row = {"p": 4, "link": "intra", "bytes": 1024, "us": {"native": 9.0, "pairwise": 5.0}}
+    p.measured = {"all_to_all": [row]}
     return p
 
 
