@@ -189,6 +189,12 @@ def predict_step(cfg, plan, machine: Machine, params: int) -> dict:
     t_attn = attn * (1 + extra) / (peak * machine.attn_eff * tile)
     compute = t_mm + t_attn
     stretched = compute / max(1 - plan.bubble, 1e-3)
+    cores = machine.shared_cores
+    if cores and world > cores:
+        # Ranks sharing cores: a rank idle in the bubble gives its core to another, so the
+        # bubble costs time only once fewer ranks have work than there are cores (each rank's
+        # compute already runs at its cores/world share of a core).
+        stretched = compute * max(1.0, cores / world / max(1 - plan.bubble, 1e-3))
     links, backend, g = machine.links(), machine.backend, machine.gpus_per_node
     layers = c.n_layers / d.pp
     act = tok_mb * c.dim * elem  # one layer input of one micro-batch: [mbs, s/cp, dim]

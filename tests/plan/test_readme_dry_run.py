@@ -6,10 +6,10 @@ on ranks 0-15 (the first pipeline stage: embedding + 20 layers, 1/8 of each tp-s
 bf16 parameters 2 B each = 4.23 GiB; gradients in the data-parallel buckets, float32 whatever
 train.dtype (DataParallel's grad_dtype; counted in tests/memory/test_estimate_counted.py) =
 8.46 GiB; ZeRO-1 over dp 2 of AdamW's two moments and the fp32 master, 12 B / 2 = 12.69 GiB;
-activations of 4 micro-batches in flight (1F1B's first stage) × 20 layers = 77.83 GiB (tp 8 of
+activations of 4 micro-batches in flight (1F1B's first stage) × 20 layers = 47.83 GiB (tp 8 of
 8 kv heads: one per rank, so k and v are repeated as broadcast views and keep one head's bytes,
-counted in tests/memory/test_swap_reference.py); the sequence-parallel gather of one layer's
-input, 8192 × 8192 × 2 B = 128 MiB.
+counted in tests/memory/test_swap_reference.py; the all-gathered input kept once per norm
+output); the sequence-parallel gather of one layer's input, 8192 × 8192 × 2 B = 128 MiB.
 
 docs/memory.md's line: the same first stage, ZeRO 0, with the fp32 masters shared with the bf16
 parameters (memory.reuse_fp32_param): params 4.23 GiB and grads 8.46 GiB as above; the optimizer
@@ -32,7 +32,7 @@ from meshspeed.comm import launch
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
 EXPECTED = {
     "training.md": "ranks 0-15          2,270,756,864  "
-    "103.34 GiB = 4.23 GiB + 8.46 GiB + 12.69 GiB + 77.83 GiB + 128.00 MiB",
+    "73.34 GiB = 4.23 GiB + 8.46 GiB + 12.69 GiB + 47.83 GiB + 128.00 MiB",
     "memory.md": "ranks 0-15          2,270,756,864  "
     "36.97 GiB = 4.23 GiB + 8.46 GiB + 21.15 GiB + 3.14 GiB + 0 B",
 }
