@@ -230,3 +230,19 @@ def test_a_measured_wait_is_charged_to_every_blocking_tp_collective(sp):
     small = (2 + (2 * c.n_layers + 1 if sp else 0)) * m
     scalars = small * (ring_all_reduce(2, 8 * MBS * SEQ) + wait)
     assert pred - base == pytest.approx(calls * wait + scalars, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp,mbs,cores", [(2, MBS, 1), (4, GBS, 3), (2, MBS, 0)])
+def test_on_shared_cores_the_bubble_costs_only_what_no_other_rank_can_use(pp, mbs, cores):
+    """World ranks on `cores` shared cores: while a stage idles in the bubble its core runs
+    another rank, so the step stretches only when fewer than `cores` ranks have work:
+    compute × max(1, (cores / world) / (1 − bubble)); dedicated devices (cores 0) pay 1/(1 − bubble)."""
+    world = pp
+    over = [("parallel.pp", str(pp)), ("train.micro_batch_size", str(mbs)), ("model.n_layers", str(pp))]
+    cfg, plan = _plan(*over, world=world)
+    machine = dataclasses.replace(MACHINE, shared_cores=cores)
+    pred = predict_step(cfg, plan, machine, _params(plan) // pp)
+    busy = 1 - plan.bubble
+    want = max(1.0, cores / world / busy) if cores else 1 / busy
+    assert pred["compute_s"] + pred["bubble_s"] == pytest.approx(pred["compute_s"] * want, rel=1e-9)
+    assert (pred["bubble_s"] > 0) == (want > 1)
