@@ -339,21 +339,31 @@ class TritonRecorder:
         self.counter, self.models = counter, models or {}
 
     def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
-        self._jit, self._run = JITFunction, JITFunction.run
+        # Kernels defined while TRITON_INTERPRET=1 was set (a test session that ran the
+        # interpreter first) are InterpretedFunctions: record their launches the same way,
+        # rather than let the interpreter read a meta tensor's (absent) data.
+        self._saved = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction)]
         rec = self
 
-        def run(fn, *args, grid=None, warmup=False, **kwargs):
-            if warmup:
-                return rec._run(fn, *args, grid=grid, warmup=warmup, **kwargs)
-            rec.launch(fn.__name__, fn, args, kwargs)
+        def recorder(real):
+            def run(fn, *args, grid=None, warmup=False, **kwargs):
+                if warmup:
+                    return real(fn, *args, grid=grid, warmup=warmup, **kwargs)
+                name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
+                rec.launch(name, fn, args, kwargs)
 
-        JITFunction.run = run
+            return run
+
+        for cls, real in self._saved:
+            cls.run = recorder(real)
         return self
 
     def __exit__(self, *exc):
-        self._jit.run = self._run
+        for cls, real in self._saved:
+            cls.run = real
 
     def launch(self, name, fn, args, kwargs) -> None:
         if name in self.models:
