@@ -19,7 +19,9 @@ Sides (one step each, after one step not counted, so that lazily made state is m
   + zero-1, dp 2   one rank of --parallel.zero 1 at dp 2, modelled from the eager count: the
                    optimizer and the gradient norm over the rank's half, the gradient all-reduce
                    and the parameters' all-gather as communication buffers
-  + 2:4            --sparsity.pattern 2:4 (a named gap where it cannot run on the device)
+  + 2:4            --sparsity.pattern 2:4 with every product cuSPARSELt can take sparse (on the meta
+                   device as on an sm90 GPU: MetaCsltOps counts the mask-and-compress kernel and
+                   the sparse products at half the dense FLOPs; the mask checks answer as on CUDA)
 
 On the meta device the CUDA kernels are modelled where meta's would differ: ZeroAdamW's Triton
 kernel (one launch per bucket), flash attention, autocast's casts (step_cost_count.py).
@@ -41,6 +43,7 @@ from benchmarks import harness, peers
 from benchmarks.step_cost_count import (
     CLASSES,
     CudaLike,
+    MetaCsltOps,
     StepCounter,
     TritonRecorder,
     adamw_kernel_bytes,
@@ -197,9 +200,13 @@ def trainer_side(shape: Shape, counter: StepCounter, ctx, extra: list, run_dir: 
     if meta:
         ctx = copy.copy(ctx)
         ctx.device = torch.device("meta")
-    trainer = trainer_mod.Trainer(cfg, ctx, make_plan(cfg, 1))
+    with _building(counter, meta):
+        trainer = trainer_mod.Trainer(cfg, ctx, make_plan(cfg, 1))
     if meta:
         trainer.opt.impl = "triton"  # what impl="auto" resolves to on CUDA
+        _sparse_kernels(trainer.model, counter)
+        if getattr(trainer, "sparsity", None) is not None:
+            trainer.sparsity.print_kernels = False  # its table says "sparse" for every layer here
     trainer.opt.step = counter.wrap(trainer.opt.step, "optimizer")
     mode = CudaLike(flash=meta)
     steps = iter(range(10**9))
@@ -210,6 +217,40 @@ def trainer_side(shape: Shape, counter: StepCounter, ctx, extra: list, run_dir: 
 
     step.trainer = trainer
     return step
+
+
+@contextlib.contextmanager
+def _building(counter: StepCounter, meta: bool):
+    """The trainer built inside the counter, not recording, so that a host read of a meta tensor
+    (`bool(mask.all())` as the 2:4 masks are installed) answers as the counter's `.item()` does;
+    the 2:4 pattern check answers True (the masks are made 2:4: on CUDA it passes)."""
+    if not meta:
+        yield
+        return
+    from meshspeed.sparse import linear as sparse_linear
+
+    saved = [(sparse_linear, n, getattr(sparse_linear, n)) for n in ("is_nm", "is_transposable_nm")]
+    for mod, n, _ in saved:
+        setattr(mod, n, lambda mask, n_, m_: True)
+    old = counter.recording
+    counter.recording = False
+    try:
+        with counter:
+            yield
+    finally:
+        counter.recording = old
+        for mod, n, fn in saved:
+            setattr(mod, n, fn)
+
+
+def _sparse_kernels(model, counter: StepCounter) -> None:
+    """Every 2:4 layer on cuSPARSELt as on an sm90 GPU (MetaCsltOps counts its compression and
+    products), its products forced sparse (sparsity.kernels=sparse: on meta nothing can be timed)."""
+    from meshspeed.sparse.linear import SparseLinear
+
+    for m in model.modules():
+        if isinstance(m, SparseLinear):
+            m.cslt_ops, m.kernel_mode = MetaCsltOps(counter), "sparse"
 
 
 @contextlib.contextmanager

@@ -151,7 +151,9 @@ class StepCounter(TorchDispatchMode):
         self.ops: list[Op] = []
         self.syncs = 0
         self._region: str | None = None
-        self._fresh: weakref.WeakSet = weakref.WeakSet()  # outputs of empty*: Triton's outputs
+        # outputs of empty* (Triton's outputs), by id: a WeakSet compares two references to one
+        # tensor with Tensor.__eq__ (elementwise), whose truth value is ambiguous
+        self._fresh: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.recording = True
 
     # -- regions ---------------------------------------------------------------------------
@@ -188,7 +190,7 @@ class StepCounter(TorchDispatchMode):
         if name in ALLOC:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    self._fresh.add(t)
+                    self._fresh[id(t)] = t
         if self.recording:
             self._record(func, name, args, kwargs, flat, out)
         return out
@@ -273,7 +275,7 @@ class StepCounter(TorchDispatchMode):
             self.ops.append(Op(f"triton:{name}", cls, read, write, 0, 1, self._phase()))
 
     def is_fresh(self, t: torch.Tensor) -> bool:
-        return t in self._fresh
+        return self._fresh.get(id(t)) is t
 
     # -- results ---------------------------------------------------------------------------
     def totals(self) -> dict:
@@ -457,3 +459,57 @@ class CudaLike(TorchFunctionMode):
             elif func in UPPER:
                 args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in LOW else a for a in args)
         return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------ 2:4 on CUDA
+class MetaCsltOps:
+    """meshspeed.sparse.cslt_ops's contract on the meta device, counted as on an sm90 GPU with
+    cuSPARSELt: `compress` is the fused Triton kernel (one launch reading W and the mask, writing
+    W~ and/or W~^T in cuSPARSELt's layout, 9/16 of the dense bytes each: the kept half plus its
+    metadata), `mm` is torch._cslt_sparse_mm (one launch reading W~, the dense operand and the
+    bias, writing the result; half the dense product's FLOPs: the pruned half is skipped)."""
+
+    name = "cusparselt (counted)"
+
+    def __init__(self, counter: StepCounter):
+        self.counter = counter
+
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        return True
+
+    @staticmethod
+    def capability(device: torch.device) -> tuple[int, int]:
+        return (9, 0)
+
+    def compress(self, weight, mask, dtype, *, want_w: bool = True, want_t: bool = True):
+        from meshspeed.sparse import kernels
+
+        n = weight.numel() * 9 // 16
+        elt = torch.empty((), dtype=dtype).element_size()
+        w = torch.empty(n, dtype=dtype, device=weight.device) if want_w else None
+        wt = torch.empty(n, dtype=dtype, device=weight.device) if want_t else None
+        read = unique_bytes(weight) + weight.numel()  # W and the bool mask
+        self.counter.triton("mask_and_compress", read, n * elt * (int(want_w) + int(want_t)))
+        return kernels.Sparse24(w, wt, mask)
+
+    @staticmethod
+    def accepts(dense_b: torch.Tensor) -> bool:
+        return dense_b.dim() == 2 and dense_b.shape[0] % 8 == 0 and dense_b.shape[1] % 8 == 0
+
+    def mm(self, compressed, dense_b, bias, alg_id: int) -> torch.Tensor:
+        k, n = dense_b.shape
+        m = compressed.numel() * 16 // (9 * k)
+        out = torch.empty((n, m), dtype=dense_b.dtype, device=dense_b.device)
+        read = unique_bytes(compressed) + unique_bytes(dense_b)
+        read += unique_bytes(bias) if bias is not None else 0
+        c = self.counter
+        if c.recording:
+            op = Op("_cslt_sparse_mm", c._region or "matmul/attention", read, unique_bytes(out), m * k * n, 1,
+                    c._phase())  # fmt: skip
+            c.ops.append(op)
+        return out
+
+    @staticmethod
+    def search(compressed, dense_b, bias) -> int:
+        return 0

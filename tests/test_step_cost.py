@@ -126,6 +126,29 @@ def test_sides_at_a_tiny_size_cpu_and_meta():
     assert out["meta"]["plain loop"]["by_class"]["optimizer"] < eager["by_class"]["optimizer"]
 
 
+def test_fused_kernels_and_2_4_count_on_meta():
+    """The two feature sides count on the meta device (they were gaps): fused kernels move no more
+    bytes outside matmul/attention than eager, in fewer launches; 2:4 runs its products on
+    cuSPARSELt (counted at half the FLOPs) and compresses its weights: a side silently run dense
+    would have eager's FLOPs and no compression."""
+    pytest.importorskip("triton", reason="the meta side counts Triton kernels: triton is in the dev extra")
+    res = step_cost.run_sides(_args(device="meta", sides=["eager", "fused", "sparse"]))
+    s = res["sides"]
+    for name, r in s.items():
+        assert "error" not in r, (name, r)
+        assert r["predicted_ms"]["H200"] > 0
+    mm = "matmul/attention"
+    eager, fused, sparse = s["meshspeed eager"], s["+ fused kernels"], s["+ 2:4"]
+    assert fused["bytes"] - fused["by_class"][mm] <= eager["bytes"] - eager["by_class"][mm]
+    assert fused["launches"] < eager["launches"]
+    fused_ops = res["ops"]["+ fused kernels"][0].ops
+    assert any(op.name.startswith("triton:") and op.cls != "optimizer" for op in fused_ops)
+    assert 0 < sparse["flops"] < eager["flops"]
+    ops = res["ops"]["+ 2:4"][0].ops
+    assert sum(op.write for op in ops if op.name == "triton:mask_and_compress") > 0
+    assert any(op.name == "_cslt_sparse_mm" and op.flops > 0 for op in ops)
+
+
 @pytest.mark.slow  # ~1-4 minutes: the 1.92B configuration on the meta device, every side
 def test_the_benchmark_at_issue_24s_configuration_on_meta(capsys):
     out = step_cost.main(["--parent", "none"])
