@@ -65,56 +65,34 @@ class _ReduceFrom(torch.autograd.Function):
         return g, None
 
 
-class _SplitTo(torch.autograd.Function):
-    """Keep my chunk | all-gather."""
+def _pair(name: str, doc: str, fwd, bwd) -> type:
+    """A differentiable collective over one dimension: `fwd(x, group, dim)` forward, `bwd(g,
+    group, dim)` backward. The four below differ only in which of chunk / gather / reduce-scatter
+    runs each way, so they are built from one class rather than written out four times."""
 
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _chunk(x, group, dim).contiguous()
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group, dim):
+            ctx.group, ctx.dim = group, dim
+            return fwd(x, group, dim)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.group, ctx.dim), None, None
+        @staticmethod
+        def backward(ctx, g):
+            return bwd(g, ctx.group, ctx.dim), None, None
 
-
-class _GatherFrom(torch.autograd.Function):
-    """All-gather | keep my chunk."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _chunk(g, ctx.group, ctx.dim).contiguous(), None, None
+    Pair.__name__ = Pair.__qualname__ = name
+    Pair.__doc__ = doc
+    return Pair
 
 
-class _GatherSP(torch.autograd.Function):
-    """All-gather | reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.group, ctx.dim), None, None
+def _my_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return _chunk(x, group, dim).contiguous()
 
 
-class _ReduceScatterSP(torch.autograd.Function):
-    """Reduce-scatter | all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.group, ctx.dim), None, None
+_SplitTo = _pair("_SplitTo", "Keep my chunk | all-gather.", _my_chunk, _gather)
+_GatherFrom = _pair("_GatherFrom", "All-gather | keep my chunk.", _gather, _my_chunk)
+_GatherSP = _pair("_GatherSP", "All-gather | reduce-scatter.", _gather, _reduce_scatter)
+_ReduceScatterSP = _pair("_ReduceScatterSP", "Reduce-scatter | all-gather.", _reduce_scatter, _gather)
 
 
 class _AllToAll(torch.autograd.Function):
