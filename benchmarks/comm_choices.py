@@ -27,14 +27,10 @@ def _kind(group_name: str) -> str:
 
 def used(ctx, fn) -> dict[str, str]:
     """{"tp all_gather": "ring", "dp reduce_scatter": "native,ring", ...} for one call of fn."""
-    entries = ctx.recorder.entries
-    before = entries[-1] if entries else None
+    mark = ctx.recorder.mark()
     fn()
-    new = list(entries)
-    if before is not None and any(e is before for e in new):
-        new = new[next(i for i, e in enumerate(new) if e is before) + 1 :]
     seen: dict[str, collections.Counter] = {}
-    for e in new:
+    for e in ctx.recorder.since(mark):
         seen.setdefault(f"{_kind(e['group'])} {e['op']}", collections.Counter())[e["algo"]] += 1
     return {k: ",".join(f"{a}×{n}" for a, n in sorted(c.items())) for k, c in sorted(seen.items())}
 

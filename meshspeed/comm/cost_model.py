@@ -195,7 +195,7 @@ def topology(nodes: list[int]) -> tuple[int, int] | None:
 def terms(op: str, algo: str, p: int, n: float, nodes: list[int], backend: str) -> dict[str, float]:
     """Coefficients of each `<set>.<class>.<var>` in the predicted time of one call."""
     topo = topology(nodes) or (len(set(nodes)), 1)
-    link = "inter" if topo[0] > 1 else "intra"
+    link = link_class(nodes)
     fam = "native" if algo == "native" else "p2p"
     t: dict[str, float] = {}
 

@@ -71,6 +71,18 @@ class FlightRecorder:
     def tail(self, n: int = 5) -> list[dict]:
         return list(self.entries)[-n:]
 
+    def mark(self) -> dict | None:
+        """The newest entry: `since(mark)` lists what was recorded after it."""
+        return self.entries[-1] if self.entries else None
+
+    def since(self, mark: dict | None) -> list[dict]:
+        """Entries recorded after `mark` (all of them if mark is None or has left the log)."""
+        entries = list(self.entries)
+        for i in range(len(entries) - 1, -1, -1):
+            if entries[i] is mark:
+                return entries[i + 1 :]
+        return entries
+
     def format_tail(self, n: int = 5) -> str:
         lines = []
         for e in self.tail(n):

@@ -116,36 +116,29 @@ def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _ReduceFrom.apply(x, group)
 
 
-def split_to(x: torch.Tensor, group: Group, dim: int, eager) -> torch.Tensor:
+def _one_dim(fn, x: torch.Tensor, group: Group, dim: int, even: bool, eager, *eager_args) -> torch.Tensor:
+    """`fn` traced when the chunks are equal; else the eager collective behind a graph break."""
     if group.size == 1:
         return x
-    if not _even(x.shape[dim], group):
-        return _eager(eager)(x, group, dim)
-    return _SplitTo.apply(x, group, dim)
+    if not even:
+        return _eager(eager)(x, group, dim, *eager_args)
+    return fn.apply(x, group, dim)
+
+
+def split_to(x: torch.Tensor, group: Group, dim: int, eager) -> torch.Tensor:
+    return _one_dim(_SplitTo, x, group, dim, _even(x.shape[dim], group), eager)
 
 
 def gather_from(x: torch.Tensor, group: Group, dim: int, sizes, eager) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    if sizes is not None and len(set(sizes)) > 1:
-        return _eager(eager)(x, group, dim, sizes)
-    return _GatherFrom.apply(x, group, dim)
+    return _one_dim(_GatherFrom, x, group, dim, sizes is None or len(set(sizes)) == 1, eager, sizes)
 
 
 def gather_sp(x: torch.Tensor, group: Group, dim: int, sizes, eager) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    if sizes is not None and len(set(sizes)) > 1:
-        return _eager(eager)(x, group, dim, sizes)
-    return _GatherSP.apply(x, group, dim)
+    return _one_dim(_GatherSP, x, group, dim, sizes is None or len(set(sizes)) == 1, eager, sizes)
 
 
 def reduce_scatter_sp(x: torch.Tensor, group: Group, dim: int, eager) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    if not _even(x.shape[dim], group):
-        return _eager(eager)(x, group, dim)
-    return _ReduceScatterSP.apply(x, group, dim)
+    return _one_dim(_ReduceScatterSP, x, group, dim, _even(x.shape[dim], group), eager)
 
 
 def all_to_all_ad(x: torch.Tensor, group: Group, in_splits, out_splits, eager) -> torch.Tensor:

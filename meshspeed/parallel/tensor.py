@@ -77,10 +77,12 @@ def _check_seq(seq: int, group: comm.Group) -> None:
 _SP_GATHERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _forget(memo_ref, group_ref, key: int) -> None:
-    memo, group = memo_ref(), group_ref()
-    if memo is not None and group is not None and id(memo.get(group, (None,))[0]) == key:
-        memo.pop(group, None)
+def _forget(group_ref, src) -> None:
+    """x's finalizer: drop the group's entry if it is still the one made for x."""
+    group = group_ref()
+    entry = _SP_GATHERED.get(group) if group is not None else None
+    if entry is not None and entry[0] is src:
+        del _SP_GATHERED[group]
 
 
 def _gather_once(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
@@ -96,7 +98,7 @@ def _gather_once(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
     y = comm.gather_sp(x, group, 1)
     src = weakref.ref(x)
     _SP_GATHERED[group] = (src, x._version, torch.is_grad_enabled(), y)
-    weakref.finalize(x, _forget, weakref.ref(_SP_GATHERED), weakref.ref(group), id(src))
+    weakref.finalize(x, _forget, weakref.ref(group), src)
     return y
 
 

@@ -18,13 +18,10 @@ from tests import harness
 
 
 def _ops(ctx, fn) -> dict[str, int]:
-    entries = ctx.recorder.entries
-    last = entries[-1] if entries else None
+    mark = ctx.recorder.mark()
     fn()
-    new = list(entries)
-    start = next((i + 1 for i, e in enumerate(new) if e is last), 0) if last is not None else 0
     counts: dict[str, int] = {}
-    for e in new[start:]:
+    for e in ctx.recorder.since(mark):
         if e["group"].startswith("tp"):
             counts[e["op"]] = counts.get(e["op"], 0) + 1
     return counts
