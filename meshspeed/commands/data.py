@@ -62,6 +62,15 @@ def register(sub) -> None:
         "for several (default: the Python standard library's .py sources, the trainer's default corpus)",
     )
     p.add_argument(
+        "--images",
+        default="",
+        metavar="SOURCE",
+        help="prepare images instead of text: 'digits' (scikit-learn's 8×8 digits), a directory of "
+        "class folders (DIR/<label>/*.png|jpg) or with captions.jsonl, or an .npz with 'images' "
+        "(and 'labels'); writes [-1, 1] float32 images, labels and a fixed held-out split to --out "
+        "(safetensors), which --data.path reads",
+    )
+    p.add_argument(
         "--text-key",
         default="text",
         metavar="KEY",
@@ -121,8 +130,39 @@ class _Progress:
         print(line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
 
 
+def run_prepare_images(args) -> int:
+    from meshspeed.data.images import VAL_FRACTION, prepare_images
+    from meshspeed.data.prepare import DataError
+
+    try:
+        if args.input:  # text and images are different files; one command writes one
+            raise DataError("--images and --input cannot be combined; prepare text and images separately")
+        val = VAL_FRACTION if args.val_fraction == DEFAULT_VAL_FRACTION else args.val_fraction
+        try:
+            val = float(val)
+            if not 0 <= val < 1:  # also NaN
+                raise ValueError
+        except ValueError:
+            raise DataError(f"--val-fraction={val!r} must be a number in [0, 1), e.g. 0.1") from None
+        info = prepare_images(args.images, args.out, val, overwrite=args.overwrite)
+    except DataError as err:
+        print(f"meshspeed data prepare: {err}", file=sys.stderr)
+        return 2
+    kind = (
+        "captioned" if info["captions"] else f"{info['classes']} classes" if info["classes"] else "unlabelled"
+    )
+    print(
+        f"wrote {args.out}: {info['images']:,} images {info['channels']}×{info['height']}×{info['width']} "
+        f"({kind}) from {args.images}; validation = {info['val']:,} images held out"
+    )
+    return 0
+
+
 def run_prepare(args) -> int:
     from meshspeed.data.prepare import DataError, prepare_tokens, sidecar_path
+
+    if args.images:
+        return run_prepare_images(args)
 
     try:
         workers = args.workers
