@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-FAMILIES = ("llama", "qwen2")  # models/registry.py maps each to its model file and recipe
+from .vlm_config import check_vision
+
+FAMILIES = ("llama", "qwen2", "vlm")  # models/registry.py maps each to its model file and recipe
 ROUTER_SOFTMAX_CHOICES = ("after_topk", "before_topk")
 MOE_IMPL_CHOICES = ("auto", "grouped_mm", "loop")
 ROPE_SCALING_CHOICES = ("none", "llama3")
@@ -116,6 +118,27 @@ class ModelConfig:
     """Expert compute: 'auto' = torch._grouped_mm when torch has it on CUDA bf16 (sm90+) or on the
     CPU (float32/bf16), sizes multiples of 8, else a loop over experts; 'grouped_mm' forces the
     grouped matmul; 'loop' forces the loop."""
+
+    # --- vision (family 'vlm' only: Qwen2-VL's shape; ignored by the text families) -----
+    image_size: int = 32
+    """'vlm': side of the square input image in pixels; a multiple of patch_size * merge_size."""
+    patch_size: int = 4
+    """'vlm': side of one ViT patch in pixels (Qwen2-VL: 14)."""
+    vision_dim: int = 64
+    """'vlm': ViT width (Qwen2-VL-7B: 1280)."""
+    vision_layers: int = 2
+    """'vlm': ViT blocks (Qwen2-VL-7B: 32)."""
+    vision_heads: int = 4
+    """'vlm': ViT attention heads; vision_dim / vision_heads must be a multiple of 4 (2D RoPE)."""
+    vision_ffn_hidden: int | None = None
+    """'vlm': ViT MLP width. None = 4 * vision_dim (Qwen2-VL's mlp_ratio 4)."""
+    merge_size: int = 2
+    """'vlm': the projector merges merge_size x merge_size neighbouring patches into one token."""
+    image_token_id: int = 255
+    """'vlm': placeholder token replaced by the image features (255: no ASCII byte uses it)."""
+    mrope_section: tuple[int, ...] | None = None
+    """'vlm': M-RoPE frequencies per axis (time, height, width), summing to head_dim / 2.
+    None = Qwen2-VL's proportions (16, 24, 24 at head_dim 128)."""
 
     def __post_init__(self) -> None:
         # TOML and CLI overrides arrive as loose types; a bool is an int in Python, so reject it.
@@ -226,6 +249,8 @@ class ModelConfig:
                 f"ModelConfig.n_shared_experts={self.n_shared_experts} needs routed "
                 "experts; set n_experts >= 1 or n_shared_experts=0"
             )
+        if self.family == "vlm":
+            check_vision(self)
         # Plausibility before anything is built or planned (a --dry-run too): past this the
         # sizes are a typo, and the estimate of one would print a plan for 10^18 parameters.
         ffn = self.ffn_dim * max(1, self.n_experts + self.n_shared_experts)
@@ -242,7 +267,7 @@ class ModelConfig:
     @property
     def qkv_bias(self) -> bool:
         """Whether the q/k/v projections carry biases (Qwen2)."""
-        return self.family == "qwen2"
+        return self.family in ("qwen2", "vlm")
 
     @property
     def head_dim(self) -> int:

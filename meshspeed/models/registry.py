@@ -7,11 +7,11 @@ import torch
 
 from meshspeed.comm.recipe import Recipe, build_on_meta
 
-from . import llama, qwen2
+from . import llama, qwen2, vlm
 from .config import FAMILIES, ModelConfig
 from .init import init_weights
 
-_RECIPES = {"llama": llama.recipe, "qwen2": qwen2.recipe}
+_RECIPES = {"llama": llama.recipe, "qwen2": qwen2.recipe, "vlm": vlm.recipe}
 assert set(_RECIPES) == set(FAMILIES), "config.FAMILIES and the registry must list the same families"
 
 
