@@ -271,12 +271,12 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return images.detach().float().clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
 
 
-def save_png(image_hwc: torch.Tensor, path: str) -> None:
-    """One [H, W, C] uint8 image as PNG (grey for C = 1)."""
+def save_png(image_hwc: torch.Tensor, path) -> None:
+    """One [H, W, C] uint8 image as PNG (grey for C = 1) to a path or a binary file object."""
     from PIL import Image
 
     arr = image_hwc.cpu().numpy()
-    Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(path)
+    Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(path, format="PNG")
 
 
 def grid(images: torch.Tensor, cols: int | None = None, pad: int = 1, scale: int = 1) -> torch.Tensor:
