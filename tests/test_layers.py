@@ -30,6 +30,8 @@ FORBIDDEN = {
     "plan": {"train", "infer", "commands", "bench"},
     "train": {"infer", "commands", "bench"},
     "infer": {"train", "plan", "commands", "bench"},
+    # meshspeed.losses: pure torch functions for users' own loops, importable without the library
+    "losses": {"comm", "kernels", "parallel", "memory", "sparse", "models"} | UP_FROM_MODELS,
 }
 
 
