@@ -144,7 +144,9 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): VisionBlock(config) for i in range(config.vision_layers)})
         n, hd = (config.image_size // config.patch_size) ** 2, config.vision_dim // config.vision_heads
         # Non-persistent and left empty on meta, as llama.Transformer's RoPE tables.
-        cos, sin = (torch.empty(n, hd) for _ in range(2)) if torch.empty(0).is_meta else vision_rope_tables(config)
+        cos, sin = (
+            (torch.empty(n, hd) for _ in range(2)) if torch.empty(0).is_meta else vision_rope_tables(config)
+        )
         self.register_buffer("rope_cos", cos, persistent=False)  # [n_patch, vision_head_dim]
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -351,7 +353,9 @@ def recipe(config: ModelConfig) -> Recipe:
         build=lambda: VLM(config),
         init=init,
         loss=cross_entropy_loss,
-        pipeline=PipelineUnits(embedding="embed", layers="layers", head=("norm", "output"), layer_args=mrope_args),
+        pipeline=PipelineUnits(
+            embedding="embed", layers="layers", head=("norm", "output"), layer_args=mrope_args
+        ),
         tp_plan=tp_plan(config),
         tp_divides={
             "n_heads": config.n_heads,

@@ -17,7 +17,11 @@ def default_mrope_section(head_dim: int) -> tuple[int, int, int]:
 
 
 def mrope_section(config) -> tuple[int, ...]:
-    return tuple(config.mrope_section) if config.mrope_section is not None else default_mrope_section(config.head_dim)
+    return (
+        tuple(config.mrope_section)
+        if config.mrope_section is not None
+        else default_mrope_section(config.head_dim)
+    )
 
 
 def vision_ffn_dim(config) -> int:
@@ -61,7 +65,11 @@ def check_vision(config) -> None:
             "vision_heads so that vision_dim / vision_heads is a multiple of 4"
         )
     section = mrope_section(config)
-    if len(section) != 3 or any(not isinstance(s, int) or s < 0 for s in section) or sum(section) != config.head_dim // 2:
+    if (
+        len(section) != 3
+        or any(not isinstance(s, int) or s < 0 for s in section)
+        or sum(section) != config.head_dim // 2
+    ):
         raise ValueError(
             f"ModelConfig.mrope_section={config.mrope_section!r} is invalid; use three integers >= 0 "
             f"summing to head_dim / 2 = {config.head_dim // 2}, e.g. "
