@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .config import ModelConfig
+from .vlm_config import vision_flops_per_image, vision_params
 
 
 def _attention_params(c: ModelConfig) -> int:
@@ -27,6 +28,8 @@ def param_count(config: ModelConfig, active: bool = False) -> int:
     total = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.dim  # embeddings + final norm
     for i in range(c.n_layers):
         total += _attention_params(c) + _ffn_params(c, i, active) + 2 * c.dim  # + 2 norms
+    if c.family == "vlm":
+        total += vision_params(c)
     return total
 
 
@@ -49,4 +52,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} is invalid; use an integer >= 1")
     c = config
-    return 6 * matmul_params(c) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
+    text = 6 * matmul_params(c) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
+    if c.family == "vlm":  # one image per sequence: its encoder cost spread over the tokens
+        return text + vision_flops_per_image(c) // seq_len
+    return text

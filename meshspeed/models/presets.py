@@ -135,6 +135,50 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         max_seq_len=32768,
     ),
+    # Vision-language at CPU size (family vlm, Qwen2-VL's shape): 32 x 32 images in 4 x 4
+    # patches, merged 2 x 2 into 16 image tokens; learns the built-in shapes captions in minutes.
+    "vlm-tiny": dict(
+        family="vlm",
+        dim=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        ffn_hidden=384,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=128,
+        image_size=32,
+        patch_size=4,
+        vision_dim=64,
+        vision_layers=2,
+        vision_heads=4,
+        merge_size=2,
+        image_token_id=255,
+    ),
+    # Qwen2-VL-7B's shape for dry runs and the planner: the Qwen2-7B decoder, a 32-block ViT of
+    # width 1280 (16 heads, patch 14) and the 2 x 2 merger; 448 x 448 images (256 image tokens).
+    # 8,290,622,976 parameters: transformers' 8,291,375,616 less the Conv3d's second time tap,
+    # which a still image sums into one (interop/hf_vlm.py).
+    "qwen2-vl-7b": dict(
+        family="vlm",
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        vocab_size=152064,
+        ffn_hidden=18944,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        image_size=448,
+        patch_size=14,
+        vision_dim=1280,
+        vision_layers=32,
+        vision_heads=16,
+        merge_size=2,
+        image_token_id=151655,
+    ),
 }
 
 

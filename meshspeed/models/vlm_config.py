@@ -80,3 +80,22 @@ def check_vision(config) -> None:
             f"ModelConfig.max_seq_len={config.max_seq_len} leaves no room for text after the "
             f"{image_tokens(config)} image tokens; raise max_seq_len or shrink image_size"
         )
+
+
+def vision_params(config) -> int:
+    """Parameters of the ViT and the projector (family 'vlm'), biases and LayerNorms included."""
+    d, f, wide = config.vision_dim, vision_ffn_dim(config), config.vision_dim * config.merge_size**2
+    block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # q, k, v, o (+ biases), MLP, 2 LayerNorms
+    projector = 2 * d + wide * wide + wide + wide * config.dim + config.dim
+    return 3 * config.patch_size**2 * d + config.vision_layers * block + projector
+
+
+def vision_flops_per_image(config) -> int:
+    """Training FLOPs (forward + backward) of the ViT and projector on one image: 6 per matmul
+    parameter per patch (per merged token for the projector), plus 12 * layers * width * n^2
+    for the full attention's score and value matmuls over n patches (as flops_per_token)."""
+    d, f, wide = config.vision_dim, vision_ffn_dim(config), config.vision_dim * config.merge_size**2
+    n = (config.image_size // config.patch_size) ** 2
+    per_patch = 3 * config.patch_size**2 * d + config.vision_layers * (4 * d * d + 2 * d * f)
+    projector = (wide * wide + wide * config.dim) * image_tokens(config)
+    return 6 * (per_patch * n + projector) + 12 * config.vision_layers * d * n * n
