@@ -20,6 +20,8 @@ its blocks take). The fields:
     n_layers, hidden_size   block count; width of the hidden states between pipeline stages
     loss                    plain (unsharded) loss: (logits, targets, ignore_index) -> mean
     aux_loss(modules)       the family's auxiliary loss over some of its modules (MoE), or None
+    causal                  whether its self-attention is causal (decoders) or full (DiT's image
+                            tokens): context parallelism may skip blocks only when causal
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Recipe:
     hidden_size: int = 0
     finish: Callable[[nn.Module], None] = lambda model: None
     aux_loss: Callable[[Iterable[nn.Module]], torch.Tensor | None] = _no_aux
+    causal: bool = True
 
     def __str__(self) -> str:
         lines = [

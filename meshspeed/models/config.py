@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from .dit_config import check_dit
 from .vlm_config import check_vision
 
-FAMILIES = ("llama", "qwen2", "vlm")  # models/registry.py maps each to its model file and recipe
+FAMILIES = ("llama", "qwen2", "vlm", "dit")  # models/registry.py maps each to its model file and recipe
 ROUTER_SOFTMAX_CHOICES = ("after_topk", "before_topk")
 MOE_IMPL_CHOICES = ("auto", "grouped_mm", "loop")
 ROPE_SCALING_CHOICES = ("none", "llama3")
@@ -121,9 +122,11 @@ class ModelConfig:
 
     # --- vision (family 'vlm' only: Qwen2-VL's shape; ignored by the text families) -----
     image_size: int = 32
-    """'vlm': side of the square input image in pixels; a multiple of patch_size * merge_size."""
+    """'vlm': side of the square input image in pixels; a multiple of patch_size * merge_size.
+    'dit': side of the square image (or latent) in pixels; a multiple of patch_size."""
     patch_size: int = 4
-    """'vlm': side of one ViT patch in pixels (Qwen2-VL: 14)."""
+    """'vlm': side of one ViT patch in pixels (Qwen2-VL: 14). 'dit': side of one image token
+    (DiT-XL/2: 2)."""
     vision_dim: int = 64
     """'vlm': ViT width (Qwen2-VL-7B: 1280)."""
     vision_layers: int = 2
@@ -139,6 +142,19 @@ class ModelConfig:
     mrope_section: tuple[int, ...] | None = None
     """'vlm': M-RoPE frequencies per axis (time, height, width), summing to head_dim / 2.
     None = Qwen2-VL's proportions (16, 24, 24 at head_dim 128)."""
+
+    # --- image generation (family 'dit' only, with image_size and patch_size above) -------
+    in_channels: int = 4
+    """'dit': channels of the input image or latent (4: Stable Diffusion's VAE latents)."""
+    n_classes: int = 0
+    """'dit': class labels (ImageNet: 1000); the table holds one more row, the null class
+    (id n_classes) that classifier-free guidance drops labels to. 0 = no class embedding."""
+    learn_sigma: bool = False
+    """'dit': also predict in_channels variance channels, as DiT and diffusers' checkpoints do
+    (rectified flow ignores them; they exist so those checkpoints load)."""
+    text_dim: int = 0
+    """'dit': width of the text tokens [batch, text_len, text_dim] every block cross-attends to
+    (a frozen encoder's output); 0 = no text conditioning."""
 
     def __post_init__(self) -> None:
         # TOML and CLI overrides arrive as loose types; a bool is an int in Python, so reject it.
@@ -251,6 +267,8 @@ class ModelConfig:
             )
         if self.family == "vlm":
             check_vision(self)
+        if self.family == "dit":
+            check_dit(self)
         # Plausibility before anything is built or planned (a --dry-run too): past this the
         # sizes are a typo, and the estimate of one would print a plan for 10^18 parameters.
         ffn = self.ffn_dim * max(1, self.n_experts + self.n_shared_experts)

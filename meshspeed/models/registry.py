@@ -7,11 +7,11 @@ import torch
 
 from meshspeed.comm.recipe import Recipe, build_on_meta
 
-from . import llama, qwen2, vlm
+from . import dit_recipe, llama, qwen2, vlm
 from .config import FAMILIES, ModelConfig
 from .init import init_weights
 
-_RECIPES = {"llama": llama.recipe, "qwen2": qwen2.recipe, "vlm": vlm.recipe}
+_RECIPES = {"llama": llama.recipe, "qwen2": qwen2.recipe, "vlm": vlm.recipe, "dit": dit_recipe.recipe}
 assert set(_RECIPES) == set(FAMILIES), "config.FAMILIES and the registry must list the same families"
 
 
@@ -30,5 +30,8 @@ def build_model(
     model.to_empty(device=device)
     if dtype is not None:
         model.to(dtype)
-    init_weights(model, seed)
+    if config.family == "dit":  # DiT's own init (adaLN-Zero), not the decoders' init.py
+        dit_recipe.init_weights(model, seed)
+    else:
+        init_weights(model, seed)
     return model
