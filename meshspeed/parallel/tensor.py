@@ -32,7 +32,11 @@ from meshspeed import comm
 from meshspeed.comm.placement import Shard, chunk_bounds, shard_parameter
 from meshspeed.comm.recipe import Recipe, Style, tie
 from meshspeed.kernels.loss import cross_entropy_loss
-from meshspeed.parallel.tensor_comm import gather_chunks_ad, vocab_parallel_cross_entropy
+from meshspeed.parallel.tensor_comm import (
+    gather_chunks_ad,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_token_ce,
+)
 from meshspeed.parallel.tensor_plan import TensorPlan
 from meshspeed.parallel.tp_overlap import chunks_for, column_sp, row_sp
 
@@ -383,6 +387,33 @@ def loss_fn(model: nn.Module, plain=cross_entropy_loss):
         vocab_parallel_loss.vocab_parallel = True  # memory.chunked_loss's fused head knows it
         return vocab_parallel_loss
     return plain
+
+
+def token_ce_fn(model: nn.Module):
+    """`(logits, targets, ignore_index=-100) -> per-token CE [batch, seq]` (0 where ignored) for
+    the model's output layout: vocab-parallel when the head keeps vocab-sharded logits. Sequence
+    log-probabilities (preference objectives) are minus its sums."""
+    out = next((m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.vocab_parallel), None)
+    if out is not None and not out.gather_output:
+        group = out.group
+        start = chunk_bounds(out.full_out_features, group.size)[group.rank]
+
+        def vocab_parallel(logits, targets, ignore_index: int = -100):
+            return vocab_parallel_token_ce(logits, targets, group, ignore_index, start)
+
+        return vocab_parallel
+    return plain_token_ce
+
+
+def plain_token_ce(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token cross-entropy in float32 (0 where ignored), [batch, seq]."""
+    flat = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="none",
+    )
+    return flat.view(targets.shape)
 
 
 def model_loss(

@@ -46,7 +46,7 @@ class _VocabParallelCE(torch.autograd.Function):
     """Megatron's vocab-parallel cross-entropy; every rank returns the same mean loss."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start, ignore_index):
+    def forward(ctx, logits, targets, group, vocab_start, ignore_index, per_token=False):
         # logits [tokens, V_local], targets [tokens] (global ids)
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))
         width = x.shape[-1]
@@ -68,10 +68,14 @@ class _VocabParallelCE(torch.autograd.Function):
         comm.all_reduce(stats, group)
         sum_exp, picked = stats[0], stats[1]
         valid = (targets != ignore_index).to(x.dtype)
-        n_valid = valid.sum()  # 0 -> nan, as F.cross_entropy
-        loss = ((sum_exp.log() - picked) * valid).sum() / n_valid
+        loss = (sum_exp.log() - picked) * valid  # per token, 0 where ignored
+        if per_token:  # reduction="none": d loss_i / d logit = (softmax - onehot) * valid_i
+            scale = valid
+        else:
+            n_valid = valid.sum()  # 0 -> nan, as F.cross_entropy
+            loss, scale = loss.sum() / n_valid, valid / n_valid
         softmax = exp.div_(sum_exp[:, None])
-        ctx.save_for_backward(softmax, safe, in_range, valid / n_valid)
+        ctx.save_for_backward(softmax, safe, in_range, scale)
         ctx.in_dtype = logits.dtype
         return loss
 
@@ -81,8 +85,8 @@ class _VocabParallelCE(torch.autograd.Function):
         # d loss / d logit = (softmax - onehot(target)) * valid / n_valid; the one-hot lives
         # only on the rank owning the target (in_range), so no communication is needed.
         grad = softmax.scatter_add(-1, safe[:, None], -in_range[:, None])
-        grad = grad * (scale * g)[:, None]
-        return grad.to(ctx.in_dtype), None, None, None, None
+        grad = grad * (scale * g)[:, None]  # g: a scalar (mean) or one per token (per_token)
+        return grad.to(ctx.in_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -107,3 +111,16 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCE.apply(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), group, vocab_start, ignore_index
     )
+
+
+def vocab_parallel_token_ce(
+    logits: torch.Tensor, targets: torch.Tensor, group: comm.Group, ignore_index: int = -100, vocab_start=None
+) -> torch.Tensor:
+    """Per-token cross-entropy [batch, seq] of vocabulary-sharded logits (0 where the target is
+    `ignore_index`): what sequence log-probabilities (DPO) sum. Same value on every rank."""
+    if logits.shape[-1] == 0:
+        raise ValueError("vocab_parallel_token_ce: this rank holds no vocabulary (empty shard)")
+    flat = _VocabParallelCE.apply(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), group, vocab_start, ignore_index, True
+    )
+    return flat.view(targets.shape)

@@ -277,10 +277,32 @@ def validate(cfg: Config) -> None:
             f"train.peak_tflops={t.peak_tflops} must be > 0 (TFLOP/s of one device), "
             "or 0 for the device table"
         )
+    _check_objective(cfg)
     from meshspeed.plan.sparsity import sparsity_config
 
     # one-line ConfigError if invalid (also step-2 settings without a pattern)
     sparsity_config(cfg.sparsity, total_steps=t.steps, seed=t.seed)
+
+
+def _check_objective(cfg: Config) -> None:
+    d, t = cfg.dpo, cfg.train
+    if not d.beta > 0:
+        raise ConfigError(f"dpo.beta={d.beta} must be > 0 (0.1 is the DPO paper's)")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5)")
+    if d.label_smoothing and d.loss != "sigmoid":
+        raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid, not {d.loss!r}; set it to 0")
+    if d.sft_weight < 0:
+        raise ConfigError(f"dpo.sft_weight={d.sft_weight} must be ≥ 0")
+    if t.objective != "lm" and cfg.data.format != "text":
+        raise ConfigError(
+            f"train.objective={t.objective} reads conversations or pairs (JSONL or a prepared record "
+            f"file in data.path), not data.format={cfg.data.format!r} token files; use data.format=text"
+        )
+    if t.objective == "dpo" and cfg.data.packing:
+        raise ConfigError(
+            "data.packing=true with train.objective=dpo: pairs are not packed; use packing=false"
+        )
 
 
 def add_arguments(parser) -> None:

@@ -144,6 +144,14 @@ class TrainSection:
         "each transformer block and the loss through torch.compile (inductor); collectives, "
         "context-parallel and swapped attention cores run eagerly between compiled pieces",
     )
+    objective: str = opt(
+        "lm",
+        "what the step minimises: lm (next-token loss on every token: pretraining), sft (next-token "
+        "loss on the assistant turns of conversations, per token over the global batch), dpo "
+        "(direct preference optimisation on chosen/rejected pairs against the frozen starting "
+        "weights; --dpo.*); see docs/post-training.md",
+        ("lm", "sft", "dpo"),
+    )
     peak_tflops: float = opt(
         0.0,
         "peak TFLOP/s of one device for MFU (0 = table of known GPUs; on CPU or an unlisted GPU "
@@ -368,6 +376,26 @@ class MoeSection:
 
 
 @dataclass
+class DpoSection:
+    beta: float = opt(0.1, "strength of the KL anchor to the reference: the rewards are beta × log-ratio")
+    loss: str = opt(
+        "sigmoid",
+        "sigmoid (the DPO paper), ipo (squared distance of the margin from 1/(2 beta)), or hinge "
+        "(max(0, 1 - beta × margin), SLiC)",
+        ("sigmoid", "ipo", "hinge"),
+    )
+    label_smoothing: float = opt(
+        0.0, "sigmoid only: assumed fraction of flipped labels (conservative DPO), 0..0.5"
+    )
+    sft_weight: float = opt(0.0, "weight of an SFT term: the chosen answers' per-token NLL (TRL's rpo_alpha)")
+    precompute_reference: bool = opt(
+        False,
+        "compute the reference log-probabilities of every pair once before training (in the run's "
+        "layout) and free the reference model, instead of a forward of it every step",
+    )
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -378,6 +406,7 @@ class Config:
     sparsity: SparsitySection = field(default_factory=SparsitySection)
     memory: MemorySection = field(default_factory=MemorySection)
     moe: MoeSection = field(default_factory=MoeSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
     nproc: int = opt(4, "local worker processes to spawn when not launched by torchrun")
 
     def to_dict(self) -> dict:

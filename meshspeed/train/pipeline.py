@@ -20,10 +20,22 @@ from meshspeed.parallel.tensor import loss_fn
 class TrainerPipeline:
     """This rank's stages and runtime, plus what the trainer's step and validation need."""
 
-    def __init__(self, cfg, mesh, recipe, microbatches: int, device, layouts=None, cp=None, transform=None):
-        """cp: the context-parallel core (parallel/context.py) when parallel.cp > 1: micro-batches
-        are cut to this rank's slice of each sequence, and its positions feed RoPE. transform:
-        applied to the stage model on meta before its weights are materialised (experts)."""
+    def __init__(
+        self,
+        cfg,
+        mesh,
+        recipe,
+        microbatches: int,
+        device,
+        layouts=None,
+        cp=None,
+        transform=None,
+        rows_per_record=1,
+    ):
+        """cp: the context-parallel core (parallel/context.py) when parallel.cp > 1: the trainer
+        cuts micro-batches to this rank's slice of each sequence, and its positions feed RoPE.
+        transform: applied to the stage model on meta before its weights are materialised
+        (experts). rows_per_record: sequences the model runs per record (DPO's pairs: 2)."""
         from meshspeed.parallel.pipeline.runtime import PipelineRuntime
         from meshspeed.parallel.pipeline.schedules import get_schedule
         from meshspeed.parallel.pipeline.stage import build_stages
@@ -48,7 +60,7 @@ class TrainerPipeline:
             mesh,
             p.pp_schedule,
             microbatches,
-            micro_batch_size=t.micro_batch_size,
+            micro_batch_size=t.micro_batch_size * rows_per_record,
             seq_len=t.seq_len,
             sequence_parallel=p.sequence_parallel,
             trace=p.pp_trace,
@@ -62,35 +74,24 @@ class TrainerPipeline:
             self.runtime.last_loss = lambda forward, y: chunked_model_loss(
                 self.model, forward, y, lf, chunk, sp
             )
-        self._slice = None if cp is None else self.runtime.positions.cpu()
         self.trace_files: dict | None = None
 
+    def set_objective(self, objective, scorer) -> None:
+        """The last stage's loss is the objective's (train/objectives); language modelling keeps
+        the runtime's own cross-entropy (and memory.chunked_loss's head swap)."""
+        if objective.name == "lm":
+            return
+        self.runtime.objective = lambda forward, item: objective.loss(forward, item, item, scorer)
+        self.runtime.n_metrics = len(objective.metric_names)
+
     def train_step(self, micro, dp, step: int) -> torch.Tensor:
-        """Sum over this rank's micro-batches of the loss (float64, CPU; same on all pp ranks);
-        the trainer moves it to the backend's device before reducing over dp."""
-        total = self.runtime.train_step(self._local(micro), dp)
+        """Sum over this rank's micro-batches (batch dicts, already this rank's cp slice) of the
+        loss (float64, CPU; same on all pp ranks); the trainer moves it to the backend's device
+        before reducing over dp."""
+        total = self.runtime.train_step(micro, dp)
         if self.cfg.parallel.pp_trace and step == self.cfg.train.steps - 1:
             self.trace_files = self.write_trace(step)
         return total
-
-    def validate(self, val_loader, dp=None) -> tuple[torch.Tensor, int]:
-        """(sum of the validation losses, their count) on this data-parallel rank; the trainer
-        averages over dp on the backend's device (a CPU float64 reduce fails on NCCL). `dp`:
-        the stage model's DataParallel (ZeRO-3 gathers the stage around each batch)."""
-        total, n = torch.zeros((), dtype=torch.float64), 0
-        for b in range(val_loader.num_batches):
-            micro = self._local(val_loader.batches(b))
-            total += self.runtime.evaluate(micro, dp)
-            n += len(micro)
-        return total, n
-
-    def _local(self, micro):
-        """This rank's slice of every (tokens, targets) sequence under context parallelism."""
-        if self._slice is None:
-            return micro
-        from meshspeed.parallel.context import shard_sequence
-
-        return [(shard_sequence(x, self._slice), shard_sequence(y, self._slice)) for x, y in micro]
 
     def write_trace(self, step: int) -> dict | None:
         """Gather the last step's per-action times over the pp group; the first rank writes

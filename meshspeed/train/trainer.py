@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import sys
 import time
 
 import torch
@@ -24,48 +23,33 @@ from meshspeed.checkpoint.export import export_safetensors
 from meshspeed.checkpoint.run_dir import check_resume
 from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
-from meshspeed.data.loader import GlobalBatchLoader, ValidationLoader, load_tokens
 from meshspeed.data.tokenizer import load_tokenizer
 from meshspeed.interop.hf_export import export_hf, source_hf_config
 from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
 from meshspeed.memory import chunked_model_loss, offload_optimizer, share_fp32_masters
 from meshspeed.models import recipe_for
 from meshspeed.models.flops import flops_per_token
-from meshspeed.models.llama import document_positions
-from meshspeed.parallel.context import context_parallel, shard_sequence
+from meshspeed.parallel.context import context_parallel
 from meshspeed.parallel.materialize import build_parallel_model
 from meshspeed.parallel.optim import build_data_parallel, clip_coefficient, grad_norm
 from meshspeed.parallel.pipeline.layout import StageLayout
-from meshspeed.parallel.tensor import loss_fn
+from meshspeed.parallel.tensor import loss_fn, token_ce_fn
 from meshspeed.parallel.zero_prefetch import enable_zero_prefetch
 from meshspeed.plan import config as config_mod
 from meshspeed.plan.experts import apply_expert_parallel
 from meshspeed.plan.run_plan import RunPlan, make_plan
 from meshspeed.sparse.cuda import invalidate_compressed
+from meshspeed.train.batches import make_loaders, packed_documents, prepare_rows, to_device  # noqa: F401
 from meshspeed.train.experts import expert_load, replication_metrics, update_routing_bias
+from meshspeed.train.guards import NonFiniteError, check_bad  # noqa: F401  (NonFiniteError: re-exported)
 from meshspeed.train.metrics import MetricsLogger, lr_at, peak_flops
 from meshspeed.train.model_features import apply_model_features
+from meshspeed.train.objectives import Scorer, make_objective
 from meshspeed.train.pipeline import TrainerPipeline
+from meshspeed.train.reference import Reference
 from meshspeed.train.sparsity import build_sparsity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class NonFiniteError(RuntimeError):
-    """Too many steps in a row had a non-finite loss or gradient norm; the run stopped."""
-
-    one_line = True
-
-
-def packed_documents(x: torch.Tensor, eot: int | None) -> torch.Tensor:
-    """[batch, seq] tokens -> document ids: a token after the end-of-text separator starts a new
-    document (the separator ends its own)."""
-    if eot is None:
-        raise ConfigError(
-            "data.packing=true needs a tokenizer with an end-of-text token; use data.packing=false"
-        )
-    ends = (x == eot).long()
-    return torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1].cumsum(1)], dim=1)
 
 
 class Trainer:
@@ -102,11 +86,19 @@ class Trainer:
         def experts(model):  # ep > 1: this rank's block of experts, cut on meta (born sharded)
             apply_expert_parallel(model, self.mesh, cfg)
 
+        self.objective = make_objective(cfg)
         self.pipeline = None
         if p.pp > 1:
-            layouts = self._layouts()
             self.pipeline = TrainerPipeline(
-                cfg, self.mesh, self.recipe, self.accum, ctx.device, layouts, self.cp, experts
+                cfg,
+                self.mesh,
+                self.recipe,
+                self.accum,
+                ctx.device,
+                self.layouts(),
+                self.cp,
+                experts,
+                rows_per_record=self.objective.rows_per_record,
             )
             self.model = self.pipeline.model
         else:
@@ -124,8 +116,14 @@ class Trainer:
         for line in self.features.lines if self.lead else ():  # kernel choices: once, rank 0
             print(f"meshspeed: {line}", flush=True)
         m = cfg.memory
-        if init_weights:  # before the optimizer copies the weights into its masters
-            ckpt.load_checkpoint(init_weights, self.model, None, self.mesh, strict=False, restore_rng=False)
+
+        def load_weights(model):  # model.init_from a meshspeed checkpoint
+            if init_weights:
+                ckpt.load_checkpoint(init_weights, model, None, self.mesh, strict=False, restore_rng=False)
+
+        # DPO's frozen reference: the starting weights in this layout, built before any update
+        self.reference = Reference(self, experts, load_weights) if self.objective.needs_reference else None
+        load_weights(self.model)  # before the optimizer copies the weights into its masters
         self.dp, self.opt = build_data_parallel(
             self.model,
             self.mesh,
@@ -150,28 +148,14 @@ class Trainer:
         # ZeRO: step()'s parameter all-gather lands during the next forward (zero_prefetch.py);
         # sparsity reads the weights right after step(), so it keeps the blocking gather.
         self.prefetch = enable_zero_prefetch(self.dp) if p.zero_prefetch and self.sparsity is None else None
-        train_tokens, val_tokens = load_tokens(
-            cfg.data.path, cfg.data.format, max_mb=cfg.data.max_mb, tokenizer=self.tokenizer
+        self.loader, self.val_loader = make_loaders(cfg, self.tokenizer, self.mesh.coords["dp"], dp)
+        if self.reference is not None and cfg.dpo.precompute_reference:
+            self.reference = self.reference.precompute_loaders(self)  # then freed: None
+        self.scorer = Scorer(
+            ce=self._ce, token_ce=token_ce_fn(self.model), cp_group=self.mesh["cp"] if self.cp else None
         )
-        coords = self.mesh.coords
-        self.loader = GlobalBatchLoader(
-            train_tokens,
-            t.seq_len,
-            t.global_batch_size,
-            t.micro_batch_size,
-            dp_rank=coords["dp"],
-            dp_size=dp,
-            seed=t.seed,
-        )
-        self.val_loader = ValidationLoader(
-            val_tokens,
-            t.seq_len,
-            t.global_batch_size,
-            t.micro_batch_size,
-            dp_rank=coords["dp"],
-            dp_size=dp,
-            max_batches=t.eval_batches,
-        )
+        if self.pipeline is not None:
+            self.pipeline.set_objective(self.objective, self.scorer)
         self.start_step = 0
         if cfg.checkpoint.resume:
             self.start_step = self._resume(cfg.checkpoint.resume)
@@ -185,7 +169,7 @@ class Trainer:
             peak=peak_flops(ctx.device, ctx.world_size, t.peak_tflops or None),  # None: MFU n/a
         )
 
-    def _layouts(self) -> list[StageLayout]:
+    def layouts(self) -> list[StageLayout]:
         return [StageLayout(**{**s, "layers": tuple(s["layers"])}) for s in self.plan.stages]
 
     # ------------------------------------------------------------------------------------
@@ -234,21 +218,43 @@ class Trainer:
                 keep=self.cfg.checkpoint.keep,
             )
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        docs = packed_documents(x, self.tokenizer.eot) if self.cfg.data.packing else None
-        if self.cp is not None:
-            # This rank's (zigzag) slice of every sequence and its global RoPE positions. Every
-            # cp rank holds as many tokens, so the mean of the ranks' means over dp × cp is the
-            # mean over all tokens of the global batch.
-            pos = self.cp.positions(x.shape[1]).to(x.device)
-            rope = pos if docs is None else shard_sequence(document_positions(docs), pos)
-            docs = None if docs is None else shard_sequence(docs, pos)
-            x, y = shard_sequence(x, pos), shard_sequence(y, pos)
-            return self._ce(lambda: self.model(x, positions=rope, doc_ids=docs), y), self.model.aux_loss()
+    def item(self, batch: dict):
+        """(micro-batch ready for the model on this rank, forward(model) on its rows): the
+        objective's rows, this rank's cp slice, host-side counts, moved to the device."""
+        rows, rope = prepare_rows(
+            self.objective.rows(batch),
+            cp=self.cp,
+            packing_eot=self.tokenizer.eot,
+            packing=self.cfg.data.packing,
+        )
+        extra = {k: v for k, v in batch.items() if k.startswith("ref_")}  # per-record values
+        item = to_device({**extra, **rows}, self.ctx.device)
+        rope = None if rope is None else rope.to(self.ctx.device)
+        tokens, docs = item["tokens"], item.get("doc_ids")
+        if rope is not None:
+            return item, lambda model: model(tokens, positions=rope, doc_ids=docs)
         if docs is not None:
-            return self._ce(lambda: self.model(x, doc_ids=docs), y), self.model.aux_loss()
-        return self._ce(lambda: self.model(x), y), self.model.aux_loss()  # CE: what metrics report
+            return item, lambda model: model(tokens, doc_ids=docs)
+        return item, lambda model: model(tokens)
+
+    def _with_reference(self, micro: list[dict]) -> list:
+        """[(item, forward)] for the step's micro-batches, the reference log-probabilities
+        filled in (DPO, unless precomputed into the records)."""
+        pairs = [self.item(b) for b in micro]
+        if self.reference is not None and pairs and "ref_chosen_logps" not in pairs[0][0]:
+            self.reference.logps([i for i, _ in pairs], [f for _, f in pairs])
+        return pairs
+
+    def micro_loss(self, item: dict, forward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(objective loss, MoE aux loss, objective metrics or None) of one prepared micro-batch."""
+        loss, metrics = self.objective.loss(lambda: forward(self.model), item, item, self.scorer)
+        return loss, self.model.aux_loss(), metrics
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, aux) of one (tokens, targets) micro-batch (benchmarks and memory tests)."""
+        self.scorer.replicas = 1
+        loss, aux, _ = self.micro_loss(*self.item({"tokens": x, "labels": y}))
+        return loss, aux
 
     def _ce(self, forward, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of forward()'s logits, or, with memory.chunked_loss, of the hidden
@@ -268,10 +274,27 @@ class Trainer:
         backend's device: NCCL cannot reduce a CPU tensor, and some backends lack float64."""
         return torch.promote_types(DTYPES[self.cfg.train.dtype], torch.float32)
 
-    def _mean_over_dp(self, total: torch.Tensor, n: int) -> float:
-        """The mean over data-parallel ranks of total / n (tp and pp ranks hold the same value)."""
-        t = (total.to(device=self.ctx.device, dtype=self.loss_dtype) / max(n, 1)).reshape(1)
-        return comm.all_reduce(t, self.mesh["dp_cp" if self.cp is not None else "dp"], "avg").item()
+    def _mean_over_dp(self, total: torch.Tensor, n: int):
+        """The mean over data-parallel ranks of total / n (tp and pp ranks hold the same value):
+        a float, or a list for a vector (one all-reduce either way)."""
+        t = (total.to(device=self.ctx.device, dtype=self.loss_dtype) / max(n, 1)).reshape(-1)
+        t = comm.all_reduce(t, self.mesh["dp_cp" if self.cp is not None else "dp"], "avg")
+        return t.item() if total.dim() == 0 else t.tolist()
+
+    def _step_batches(self, loader, step: int) -> list:
+        """This rank's micro-batches of `step`, prepared (_with_reference), with the objective's
+        per-step state (SFT's global count) and the scorer's replica count set."""
+        micro = loader.batches(step)
+        if self.objective.uses_global_batch:
+            self.objective.prepare(loader.global_batch(step))
+        self.scorer.replicas = len(micro) * self.mesh["dp_cp" if self.cp is not None else "dp"].size
+        return self._with_reference(micro)
+
+    def _metric_row(self, metrics, n: int, prefix: str = "") -> dict:
+        if metrics is None or not self.objective.metric_names:
+            return {}
+        values = self._mean_over_dp(metrics, n)
+        return {prefix + k: v for k, v in zip(self.objective.metric_names, values)}
 
     def train_step(self, step: int) -> dict:
         """One optimizer step; a step whose loss or gradient norm is not finite changes
@@ -282,20 +305,26 @@ class Trainer:
         lr = lr_at(step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
         self.opt.set_lr(lr)
         t0 = time.perf_counter()
-        micro = list(self.loader.batches(step))
+        micro = self._step_batches(self.loader, step)
         total = torch.zeros((), dtype=self.loss_dtype, device=self.ctx.device)
+        metrics = None
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
-            total = self.pipeline.train_step(micro, self.dp, step)
+            total = self.pipeline.train_step([item for item, _ in micro], self.dp, step)
+            metrics = self.pipeline.runtime.last_metrics
         else:
-            for i, (x, y) in enumerate(micro):
+            for i, (item, forward) in enumerate(micro):
                 last = i == len(micro) - 1
                 with contextlib.nullcontext() if last else self.dp.no_sync():
-                    loss, aux = self._loss(x, y)
-                    # The global-batch loss is the mean of the micro-batch means; DP averages ranks.
+                    loss, aux, m = self.micro_loss(item, forward)
+                    # The global-batch loss is the mean of the micro-batch losses (the objective
+                    # scales each so); DP averages ranks.
                     ((loss + aux) / len(micro)).backward()
                 total += loss.detach().to(self.loss_dtype)
+                if m is not None:
+                    metrics = m.detach() if metrics is None else metrics + m.detach()
         self.dp.finish_grad_sync()
         mean_loss = self._mean_over_dp(total, len(micro))
+        extra = self._metric_row(metrics, len(micro))
         norm = grad_norm(self.dp, self.mesh)
         # clipping's factor is applied inside the optimizer's kernel, not by a pass of its own
         coef = clip_coefficient(norm, t.grad_clip) if t.grad_clip > 0 else None
@@ -318,7 +347,8 @@ class Trainer:
             "loss": mean_loss,
             "lr": lr,
             "grad_norm": norm,
-            "tokens_per_s": t.global_batch_size * t.seq_len / elapsed,
+            "tokens_per_s": t.global_batch_size * self.objective.rows_per_record * t.seq_len / elapsed,
+            **extra,
             **sparse,
         }
         if self.model_config.n_experts:  # worst layer's max/mean tokens per expert, whole batch
@@ -336,39 +366,23 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        if self.pipeline is not None:
-            total, n = self.pipeline.validate(self.val_loader, self.dp)  # dp: ZeRO-3 gathers the stage
-            return self._mean_over_dp(total, n)
-        total, n = torch.zeros((), dtype=self.loss_dtype, device=self.ctx.device), 0
+        """The validation loss (the objective's; its metrics in self.val_metrics)."""
+        total, n, metrics = torch.zeros((), dtype=self.loss_dtype, device=self.ctx.device), 0, None
         for b in range(self.val_loader.num_batches):
-            for x, y in self.val_loader.batches(b):
-                loss, _ = self._loss(x, y)
+            micro = self._step_batches(self.val_loader, b)
+            if self.pipeline is not None:  # dp: ZeRO-3 gathers the stage
+                total += self.pipeline.runtime.evaluate([i for i, _ in micro], self.dp).to(total)
+                m = self.pipeline.runtime.last_metrics
+                metrics = m if metrics is None or m is None else metrics + m
+                n += len(micro)
+                continue
+            for item, forward in micro:
+                loss, _, m = self.micro_loss(item, forward)
                 total += loss.to(self.loss_dtype)
+                metrics = m if metrics is None or m is None else metrics + m
                 n += 1
+        self.val_metrics = self._metric_row(metrics, n, prefix="val_")
         return self._mean_over_dp(total, n)
-
-    def _check_bad(self, row: dict, bad_in_row: int) -> None:
-        """Log a skipped step; stop the run (on every rank alike) after too many in a row."""
-        t, step = self.cfg.train, row["step"]
-        loss, norm = row["loss"], row["grad_norm"]
-        if self.lead:
-            print(
-                f"meshspeed: step {step}: loss {loss:.4g}, grad norm {norm:.4g}: not finite, update "
-                f"skipped ({bad_in_row} in a row of train.max_bad_steps={t.max_bad_steps})",
-                file=sys.stderr,
-                flush=True,
-            )
-        if bad_in_row >= t.max_bad_steps:
-            raise echo(
-                NonFiniteError(
-                    f"step {step}: loss {loss:.4g}, grad norm {norm:.4g}: not finite for {bad_in_row} "
-                    f"steps in a row (train.max_bad_steps={t.max_bad_steps}), run stopped without saving; "
-                    f"lower --train.lr "
-                    f"(now {t.lr:g}) or --train.grad_clip, then resume from the last checkpoint with "
-                    f"--checkpoint.resume latest"
-                ),
-                not self.lead,
-            )
 
     def run(self) -> dict:
         t, c = self.cfg.train, self.cfg.checkpoint
@@ -385,11 +399,12 @@ class Trainer:
                 row["skipped_steps"] = skipped  # counted for the whole run (this process)
             if (t.eval_interval and done % t.eval_interval == 0) or done == t.steps:
                 row["val_loss"] = self.validate()
+                row.update(self.val_metrics)
             if step > self.start_step + 2:  # the first steps pay for warm-up, not steady state
                 tokens_per_s.append(row["tokens_per_s"])
             self.metrics.log(row)
             if bad_in_row:
-                self._check_bad(row, bad_in_row)
+                check_bad(self.cfg.train, row, bad_in_row, self.lead)
             exiting = bool(t.exit_interval) and done % t.exit_interval == 0 and done < t.steps
             if (c.interval and done % c.interval == 0) or done == t.steps or exiting:
                 last_ckpt = self._save(done)

@@ -55,6 +55,7 @@ from meshspeed.parallel.pipeline.actions import (
     stage_of,
 )
 from meshspeed.parallel.pipeline.duet import Duet
+from meshspeed.parallel.pipeline.forward_only import ForwardOnly, held, micro_targets, micro_tokens
 from meshspeed.parallel.pipeline.pairs import overlapped
 from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 from meshspeed.parallel.pipeline.split_backward import WeightGrad, split_backward
@@ -74,14 +75,7 @@ class _Live:
     wgrad: WeightGrad | None = None
 
 
-def _held(dp):
-    """ZeRO-3 (parallel/zero3.py): the stage's parameters gathered once for the whole step, not
-    per block and micro-batch (the micro-batches' passes interleave; see Zero3.held)."""
-    z = getattr(dp, "zero3", None)
-    return z.held() if z is not None else contextlib.nullcontext()
-
-
-class PipelineRuntime:
+class PipelineRuntime(ForwardOnly):
     def __init__(
         self,
         stages: PipelineStages,
@@ -170,6 +164,12 @@ class PipelineRuntime:
         # forward() running the chunk's body (memory.chunked_loss swaps the head out inside);
         # None: the model's cross-entropy of the logits.
         self.last_loss = None
+        # A training objective instead (train/objectives): objective(forward, micro-batch dict)
+        # -> (loss, a vector of `n_metrics` metrics or None); the metrics are summed over
+        # micro-batches and broadcast with the loss (last_metrics after a step).
+        self.objective = None
+        self.n_metrics = 0
+        self.last_metrics: torch.Tensor | None = None
 
     # -- helpers ----------------------------------------------------------------------------
     def _stage(self, chunk: int) -> int:
@@ -199,10 +199,11 @@ class PipelineRuntime:
         return self._inbox.pop((kind, mb, chunk))
 
     # -- the step ---------------------------------------------------------------------------
-    def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], dp=None) -> torch.Tensor:
-        """Forward and backward of every microbatch by the schedule. Returns the sum over
-        microbatches of the cross-entropy (float64, CPU), the same on every rank; gradients
-        (of the mean) are left in the parameters / DP buckets."""
+    def train_step(self, micro: list, dp=None) -> torch.Tensor:
+        """Forward and backward of every microbatch by the schedule. `micro`: (tokens, targets)
+        pairs, or batch dicts with `tokens` (and what the objective reads). Returns the sum over
+        microbatches of the loss (float64, CPU), the same on every rank; gradients (of the
+        mean) are left in the parameters / DP buckets."""
         if len(micro) != self.microbatches:
             raise ScheduleError(
                 f"pipeline runtime built for {self.microbatches} microbatches got {len(micro)}"
@@ -212,6 +213,7 @@ class PipelineRuntime:
         self._outbox: dict = {}
         self._live: dict[tuple[int, int], _Live] = {}
         self._losses: list[torch.Tensor] = []
+        self._metrics: list[torch.Tensor] = []
         self._loss_fn = loss_fn(self.stages.model, self.stages.recipe.loss) if self.stages.has_head else None
         dtype = self._dtype()
         times = [] if self.trace else None
@@ -219,7 +221,7 @@ class PipelineRuntime:
             comm.barrier(self.group)  # a common origin for the ranks' timelines
         t_start = time.perf_counter()
         self.last_duets = []
-        with _held(dp):
+        with held(dp):
             i = 0
             while i < len(self.actions):
                 a, t0 = self.actions[i], time.perf_counter()
@@ -280,20 +282,39 @@ class PipelineRuntime:
         self.last_duets.append(duet)
 
     def _reduce_losses(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        """The loss summed over micro-batches (and the objective's metrics, into last_metrics),
+        broadcast from the last stage's rank so every pp rank reports the same."""
+        total = torch.zeros(1 + self.n_metrics, dtype=torch.float64, device=self.device)
         for loss in self._losses:
-            total += loss.double()
-        self._losses = []
+            total[0] += loss.double()
+        for m in self._metrics:
+            total[1:] += m.double()
+        self._losses, self._metrics = [], []
         # from the rank holding the last stage: pp-1 ("loop"), 0 (DualPipeV's "v")
         src = holder_of(self.pp * self.vpp - 1, self.pp, self.placement)[0]
-        return comm.broadcast(total.reshape(1), self.group, src=src)[0].cpu()
+        total = comm.broadcast(total, self.group, src=src).cpu()
+        self.last_metrics = total[1:] if self.n_metrics else None
+        return total[0]
+
+    def _last(self, chunk, h, mb, training: bool) -> torch.Tensor:
+        """The last stage's loss of micro-batch `mb` (its metrics kept for _reduce_losses)."""
+        forward = lambda: chunk.body(h, self.positions)  # noqa: E731
+        if self.objective is not None:
+            loss, metrics = self.objective(forward, mb)
+            if metrics is not None:
+                self._metrics.append(metrics.detach())
+            return loss
+        y = micro_targets(mb).to(self.device)
+        if training and self.last_loss is not None:
+            return self.last_loss(forward, y)
+        return self._loss_fn(forward(), y)
 
     def _forward(self, a: Action) -> None:
         chunk = self.stages.chunks[a.chunk]
-        x, y = self._micro[a.microbatch]
+        mb = self._micro[a.microbatch]
         leaf = emb = None
         if chunk.is_first:
-            h = chunk.embed(x.to(self.device))
+            h = chunk.embed(micro_tokens(mb).to(self.device))
             if self.split:  # W runs the embedding's backward (it is a weight gradient)
                 emb, h = h, h.detach().requires_grad_()
                 leaf = h
@@ -301,11 +322,7 @@ class PipelineRuntime:
             h = leaf = self._take(F, a.microbatch, a.chunk).requires_grad_()
         m = self.microbatches
         if chunk.is_last:
-            y = y.to(self.device)
-            if self.last_loss is not None:
-                loss = self.last_loss(lambda: chunk.body(h, self.positions), y)
-            else:
-                loss = self._loss_fn(chunk.body(h, self.positions), y)
+            loss = self._last(chunk, h, mb, training=True)
             self._losses.append(loss.detach())
             roots = [loss / m]
         else:
@@ -357,40 +374,3 @@ class PipelineRuntime:
         mine[: len(self.last_trace)] = torch.tensor(self.last_trace, dtype=torch.float64)
         every = comm.all_gather(mine.to(self.device), self.group).cpu().view(self.pp, n, 2)
         return [[tuple(every[r, i].tolist()) for i in range(len(self.schedule[r]))] for r in range(self.pp)]
-
-    # -- forward only -----------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, micro: list[tuple[torch.Tensor, torch.Tensor]], dp=None) -> torch.Tensor:
-        """Sum over `micro` of the cross-entropy, forward only (float64, CPU, on every rank).
-        Chunk-major order (all microbatches through chunk 0, then chunk 1, ...): every rank
-        only waits for activations already sent, so no schedule is needed. `dp`: the stage
-        model's DataParallel, needed under ZeRO-3 (its parameters are gathered around the pass)."""
-        with _held(dp):
-            return self._evaluate(micro)
-
-    def _evaluate(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        fn = loss_fn(self.stages.model, self.stages.recipe.loss) if self.stages.has_head else None
-        dtype = self._dtype()
-        self._inbox, self._losses = {}, []
-        for c, chunk in enumerate(self.stages.chunks):
-            stage = self._stage(c)
-            src = holder_of(stage - 1, self.pp, self.placement)[0]  # unused on the first stage
-            for mb, (x, y) in enumerate(micro):
-                if chunk.is_first:
-                    h = chunk.embed(x.to(self.device))
-                elif src == self.rank:
-                    h = self._inbox.pop((F, mb, c))
-                else:
-                    self.comm.post_recv(("eval", mb, c), src, self.shape, dtype)
-                    h = self.comm.take(("eval", mb, c))
-                out = chunk.body(h, self.positions)
-                if chunk.is_last:
-                    self._losses.append(fn(out, y.to(self.device)))
-                    continue
-                rank, dst_chunk = holder_of(stage + 1, self.pp, self.placement)
-                if rank == self.rank:
-                    self._inbox[(F, mb, dst_chunk)] = out
-                else:
-                    self.comm.send(out, rank)
-        self.comm.drain()
-        return self._reduce_losses()
