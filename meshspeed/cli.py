@@ -21,6 +21,7 @@ SUBCOMMANDS = [
     "meshspeed.commands.pipeline",
     "meshspeed.commands.plan",
     "meshspeed.commands.run",
+    "meshspeed.commands.sample",
     "meshspeed.commands.train",
 ]
 
