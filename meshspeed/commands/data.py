@@ -24,6 +24,22 @@ EXAMPLES = """examples:
   meshspeed data prepare --out data/tokens.bin --input ~/corpus/ --tokenizer ~/Meta-Llama-3-8B/   # uint32
   torchrun --nproc-per-node 8 -m meshspeed train --config configs/llama3-8b.toml \\
       --data.tokenizer ~/Meta-Llama-3-8B/                          # reads data/tokens.bin
+
+post-training records (--kind; not --format, which already names the token width):
+  meshspeed data prepare --kind arith --out data/arith --count 4000 --seed 0   # synthetic task's JSON lines
+  meshspeed data prepare --kind chat --input data/arith/sft.train.jsonl --seq-len 64 \\
+      --out data/sft.safetensors
+  meshspeed data prepare --kind pairs --input data/arith/pairs.train.jsonl --seq-len 64 \\
+      --out data/pairs.safetensors --tokenizer ~/Qwen2.5-0.5B-Instruct/   # its chat template
+
+  chat: JSON lines of {"messages": [{"role", "content"}...]} or {"prompt", "completion"}; pairs:
+  {"prompt", "chosen", "rejected"} (TRL's formats; strings or message lists). Rendered through the
+  tokenizer's chat template (the byte tokenizer's built-in one: <|user|>\\n..\\n<|assistant|>\\n..NUL,
+  end-of-turn = byte 0); labels only on assistant tokens; rows of --seq-len (longer ones keep
+  their start, as TRL); the last --val-fraction of records held out. Written as int64 tensors in
+  one safetensors file (meshspeed.data.record_file.load_records reads it).
+  arith: "What is 17+25?" -> "42" (rejected: a near miss), deterministic from --seed; writes
+  sft.{train,val}.jsonl and pairs.{train,val}.jsonl, held out by question (--val-fraction, default 0.1).
 """
 
 PROGRESS_MIN_BYTES = 32 * 2**20  # inputs at least this large get a progress line on stderr
@@ -71,6 +87,24 @@ def register(sub) -> None:
         "(safetensors), which --data.path reads",
     )
     p.add_argument(
+        "--kind",
+        default="tokens",
+        metavar="{tokens,chat,pairs,arith}",
+        help="what to prepare: tokens (default: a token file for pretraining), chat (conversations -> "
+        "SFT records), pairs (preference pairs -> DPO records), arith (the synthetic arithmetic task's "
+        "JSON lines, into the directory --out); see below",
+    )
+    p.add_argument("--seq-len", default=None, metavar="N", help="chat/pairs: the length of each record row")
+    p.add_argument(
+        "--packing",
+        action="store_true",
+        help="chat: pack several conversations into each row (doc_ids keep their attention apart)",
+    )
+    p.add_argument("--count", default="4000", metavar="N", help="arith: distinct questions (default 4000)")
+    p.add_argument(
+        "--seed", default="0", metavar="N", help="arith: the seed that fixes the files (default 0)"
+    )
+    p.add_argument(
         "--text-key",
         default="text",
         metavar="KEY",
@@ -97,7 +131,7 @@ def register(sub) -> None:
         metavar="F",
         help=f"fraction of documents (whole documents, the last ones of the file) that training "
         f"validates on (default {DEFAULT_VAL_FRACTION}; 0 = training uses the file's last "
-        f"{DEFAULT_VAL_FRACTION} of tokens)",
+        f"{DEFAULT_VAL_FRACTION} of tokens); chat/pairs: the last records; arith: questions, default 0.1",
     )
     p.add_argument(
         "--workers",
@@ -158,11 +192,73 @@ def run_prepare_images(args) -> int:
     return 0
 
 
+def run_prepare_records(args) -> int:
+    """--kind chat|pairs|arith (meshspeed.data.record_file, meshspeed.data.arith)."""
+    from meshspeed.comm.errors import ConfigError
+    from meshspeed.data.corpus import DataError
+
+    try:
+        if args.kind not in ("chat", "pairs", "arith"):
+            raise DataError(f"--kind={args.kind!r} is not known; choose one of tokens, chat, pairs, arith")
+        if args.kind == "arith":
+            return _run_arith(args)
+        from meshspeed.data.record_file import prepare_records
+
+        meta = prepare_records(
+            args.kind,
+            args.input,
+            args.out,
+            args.tokenizer,
+            args.seq_len,
+            packing=args.packing,
+            val_fraction=args.val_fraction,
+            overwrite=args.overwrite,
+        )
+    except ConfigError as err:  # DataError, and OutputError for a target it must not replace
+        print(f"meshspeed data prepare: {err}", file=sys.stderr)
+        return 2
+    rows = meta["rows"]
+    cut = f", {meta['truncated']:,} sequences cut to --seq-len" if meta["truncated"] else ""
+    drop = f", {meta['dropped']:,} dropped (no answer token within --seq-len)" if meta["dropped"] else ""
+    print(
+        f"wrote {args.out}: {meta['records']:,} {args.kind} records{cut}{drop} -> {rows['train']:,} train + "
+        f"{rows['val']:,} validation rows of {meta['seq_len']} ({meta['tokenizer']} tokenizer, pad id "
+        f"{meta['pad_id']}, end-of-turn id {meta['end_of_turn_id']})"
+    )
+    return 0
+
+
+def _run_arith(args) -> int:
+    from meshspeed.data.arith import DEFAULT_VAL_FRACTION as ARITH_VAL
+    from meshspeed.data.arith import write_arith
+    from meshspeed.data.corpus import DataError
+
+    numbers = {}
+    for flag, value in (("--count", args.count), ("--seed", args.seed)):
+        try:
+            numbers[flag] = int(value)
+        except ValueError:
+            raise DataError(f"{flag}={value!r} must be an integer, e.g. 4000 (--count), 0 (--seed)") from None
+    try:
+        # the flag's default is the token files' 0.02; arith's own default holds out more questions
+        val = ARITH_VAL if args.val_fraction == DEFAULT_VAL_FRACTION else float(args.val_fraction)
+    except ValueError:
+        raise DataError(
+            f"--val-fraction={args.val_fraction!r} must be a number in (0, 1), e.g. 0.1"
+        ) from None
+    counts = write_arith(args.out, numbers["--count"], numbers["--seed"], val, overwrite=args.overwrite)
+    print(f"wrote {args.out}/: " + ", ".join(f"{name} ({n:,} records)" for name, n in counts.items()))
+    print(f"next: meshspeed data prepare --kind chat --input {args.out}/sft.train.jsonl --seq-len 64 --out F")
+    return 0
+
+
 def run_prepare(args) -> int:
     from meshspeed.data.prepare import DataError, prepare_tokens, sidecar_path
 
     if args.images:
         return run_prepare_images(args)
+    if args.kind != "tokens":
+        return run_prepare_records(args)
 
     try:
         workers = args.workers
