@@ -51,3 +51,37 @@ def check_dit(config) -> None:
     if config.dim % 4:
         # the 2D sincos positions split dim in two halves of sin/cos pairs
         raise ValueError(f"ModelConfig.dim={config.dim} is invalid for family 'dit'; use a multiple of 4")
+
+
+def dit_params(c) -> int:
+    """Parameters of a dit model (models/dit.py), counted from its config."""
+    d, f, out = c.dim, ffn_dim(c), c.patch_size**2 * out_channels(c)
+    total = (c.in_channels * c.patch_size**2 + 1) * d  # patch projection
+    total += (FREQ_DIM + 1) * d + (d + 1) * d  # timestep MLP
+    total += (c.n_classes + 1) * d if c.n_classes else 0  # class table with its null row
+    block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 6 * (d * d + d)
+    if c.text_dim:
+        block += 2 * (d * d + d) + 2 * (c.text_dim * d + d)
+    return total + c.n_layers * block + 2 * (d * d + d) + (d + 1) * out
+
+
+def dit_flops_per_sample(c, text_len: int = 0) -> int:
+    """Training FLOPs (forward + backward: 3 forward costs, 2 FLOPs per multiply-add) of one
+    sample: every Linear at its rows (image tokens, text tokens, or once per sample for the
+    conditioning path and the adaLN modulations) plus the attention score and value matmuls."""
+    d, f, n, L = c.dim, ffn_dim(c), n_tokens(c), c.n_layers
+    t = text_len if c.text_dim else 0
+    per_token = (
+        c.in_channels * c.patch_size**2 * d
+        + L * (4 * d * d + 2 * d * f)
+        + d * c.patch_size**2 * out_channels(c)
+    )
+    per_sample = FREQ_DIM * d + d * d + L * 6 * d * d + 2 * d * d
+    macs = n * per_token + per_sample
+    attn = 2 * L * d * n * n  # scores and values, full attention: nothing skipped
+    if t:
+        macs += L * (
+            n * 2 * d * d + t * 2 * c.text_dim * d
+        )  # cross q, o per image token; k, v per text token
+        attn += 2 * L * d * n * t
+    return 6 * (macs + attn)

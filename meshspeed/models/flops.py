@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .config import ModelConfig
+from .dit_config import dit_flops_per_sample, dit_params, n_tokens
 from .vlm_config import vision_flops_per_image, vision_params
 
 
@@ -25,6 +26,8 @@ def param_count(config: ModelConfig, active: bool = False) -> int:
     """Parameters of the full model. active=True counts only the top_k routed experts of each
     MoE layer: the parameters one token actually uses (Mixtral-8x7B: ~12.9B of 46.7B)."""
     c = config
+    if c.family == "dit":
+        return dit_params(c)
     total = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.dim  # embeddings + final norm
     for i in range(c.n_layers):
         total += _attention_params(c) + _ffn_params(c, i, active) + 2 * c.dim  # + 2 norms
@@ -52,7 +55,17 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} is invalid; use an integer >= 1")
     c = config
+    if c.family == "dit":  # seq_len: the image tokens, fixed by the config
+        return flops_per_sample(c) // n_tokens(c)
     text = 6 * matmul_params(c) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
     if c.family == "vlm":  # one image per sequence: its encoder cost spread over the tokens
         return text + vision_flops_per_image(c) // seq_len
     return text
+
+
+def flops_per_sample(config: ModelConfig, text_len: int = 0) -> int:
+    """Training FLOPs of one image (family 'dit'; text_len: text tokens it cross-attends to),
+    for MFU of image models: samples/s x this / peak."""
+    if config.family != "dit":
+        raise ValueError(f"flops_per_sample counts family 'dit' models; {config.family!r} counts per token")
+    return dit_flops_per_sample(config, text_len)

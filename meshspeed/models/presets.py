@@ -179,6 +179,78 @@ PRESETS: dict[str, dict] = {
         merge_size=2,
         image_token_id=151655,
     ),
+    # --- family dit (diffusion transformers; DiT-*/2 at ImageNet 256: VAE latents 32x32x4) ---
+    # 8x8 single-channel digits, 16 image tokens, 10 classes (+ the null class): ~0.8M parameters,
+    # trains on a 2-core CPU in minutes (configs/dit-tiny.toml).
+    "dit-tiny": dict(
+        family="dit",
+        dim=96,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=4,  # DiT's attention is multi-head (no GQA)
+        image_size=8,
+        patch_size=2,
+        in_channels=1,
+        n_classes=10,
+    ),
+    # The DiT paper's shapes (Peebles & Xie, table 1) with its checkpoints' learn_sigma outputs:
+    # 33M, 130M and 675M parameters.
+    "dit-s-2": dict(
+        family="dit",
+        dim=384,
+        n_layers=12,
+        n_heads=6,
+        n_kv_heads=6,  # DiT's attention is multi-head (no GQA)
+        image_size=32,
+        patch_size=2,
+        in_channels=4,
+        n_classes=1000,
+        learn_sigma=True,
+        norm_eps=1e-6,
+    ),
+    "dit-b-2": dict(
+        family="dit",
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,  # DiT's attention is multi-head (no GQA)
+        image_size=32,
+        patch_size=2,
+        in_channels=4,
+        n_classes=1000,
+        learn_sigma=True,
+        norm_eps=1e-6,
+    ),
+    "dit-xl-2": dict(
+        family="dit",
+        dim=1152,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=16,  # DiT's attention is multi-head (no GQA)
+        image_size=32,
+        patch_size=2,
+        in_channels=4,
+        n_classes=1000,
+        learn_sigma=True,
+        norm_eps=1e-6,
+    ),
+    # FLUX.1-dev's size for dry runs and the planner (11.9B parameters; its 19 double- and 38
+    # single-stream blocks are not modelled): width 3072 / 24 heads, 1024² images as FLUX packs
+    # them (16-channel latents in 2x2 patches: 64 channels at 64x64, patch 1, 4096 tokens), every
+    # block cross-attending to T5-XXL tokens (4096 wide); 56 single-stream dit blocks give the
+    # parameter count.
+    "flux-shape": dict(
+        family="dit",
+        dim=3072,
+        n_layers=56,
+        n_heads=24,
+        n_kv_heads=24,  # DiT's attention is multi-head (no GQA)
+        image_size=64,
+        patch_size=1,
+        in_channels=64,
+        n_classes=0,
+        text_dim=4096,
+    ),
 }
 
 

@@ -31,7 +31,9 @@ class EMA:
             raise ValueError(f"EMA decay={decay} is invalid; use a number in [0, 1) (DiT: 0.9999)")
         self.decay, self.warmup, self.updates = decay, warmup, 0
         self.shadow: dict[str, torch.Tensor] = {
-            name: p.detach().to(torch.float32, copy=True) for name, p in named_params if p.requires_grad
+            name: p.detach().to(torch.float32, copy=True)
+            for name, p in named_params
+            if not (isinstance(p, nn.Parameter) and not p.requires_grad)  # frozen parameters do not move
         }
 
     def current_decay(self) -> float:
@@ -59,7 +61,9 @@ class EMA:
         params = dict(model.named_parameters())
         for name, avg in self.shadow.items():
             if name not in params or params[name].shape != avg.shape:
-                raise RuntimeError(f"EMA parameter {name} has no parameter of shape {list(avg.shape)} in the model")
+                raise RuntimeError(
+                    f"EMA parameter {name} has no parameter of shape {list(avg.shape)} in the model"
+                )
             yield params[name], avg
 
     @torch.no_grad()
@@ -81,7 +85,12 @@ class EMA:
                     p.copy_(saved[id(p)])
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "warmup": self.warmup, "updates": self.updates, "shadow": dict(self.shadow)}
+        return {
+            "decay": self.decay,
+            "warmup": self.warmup,
+            "updates": self.updates,
+            "shadow": dict(self.shadow),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         missing = set(self.shadow) ^ set(state["shadow"])
@@ -90,7 +99,8 @@ class EMA:
         for name, avg in state["shadow"].items():
             if avg.shape != self.shadow[name].shape:
                 raise RuntimeError(
-                    f"EMA state {name} has shape {list(avg.shape)}, this rank holds {list(self.shadow[name].shape)}"
+                    f"EMA state {name} has shape {list(avg.shape)}, this rank holds "
+                    f"{list(self.shadow[name].shape)}"
                 )
             self.shadow[name].copy_(avg)
         self.decay, self.warmup, self.updates = state["decay"], state["warmup"], int(state["updates"])

@@ -199,6 +199,7 @@ def test_dry_run_json_for_every_preset_at_64_ranks(preset, capsys, no_workers, t
     c = get_preset(preset)
     tp = 8 if c.n_kv_heads % 8 == 0 and c.n_heads % 8 == 0 else 1
     pp = 4 if c.n_layers % 4 == 0 and c.n_layers >= 8 and not c.tie_embeddings else 1
+    pp = 1 if c.family == "dit" else pp  # dit's pipeline waits for the conditioning carried between stages
     dp = 64 // (tp * pp)
     args = ["--model.preset", preset, "--nproc", "64", "--parallel.tp", str(tp), "--parallel.pp", str(pp)]
     args += ["--train.global_batch_size", str(dp * 4), "--train.micro_batch_size", "1"]
@@ -222,6 +223,12 @@ def test_dry_run_json_for_every_preset_at_64_ranks(preset, capsys, no_workers, t
 
 def _replicated(c, tp: int, pp: int) -> int:
     """Parameters each tp rank holds whole (norms, the router): counted tp times in a replica."""
+    if c.family == "dit":  # patch, timestep and class embedders, row-parallel biases, final Linear
+        d, out = c.dim, c.patch_size**2 * c.in_channels * (2 if c.learn_sigma else 1)
+        whole = (c.in_channels * c.patch_size**2 + 1) * d + (256 + 1) * d + (d + 1) * d
+        whole += (c.n_classes + 1) * d if c.n_classes else 0
+        whole += c.n_layers * (3 if c.text_dim else 2) * d + (d + 1) * out  # wo, fc2 (, cross.wo) biases
+        return (tp - 1) * whole
     norms = (2 * c.n_layers + 1) * c.dim
     router = sum(c.dim * c.n_experts for i in range(c.n_layers) if c.is_moe_layer(i)) if c.n_experts else 0
     return (tp - 1) * (norms + router)
