@@ -474,5 +474,11 @@ _ENTRIES: list[tuple[str, str]] = [
         "test_trainer_schedules.py::test_dualpipev_trains_like_one_process[pp2-ep2] (the same layout "
         "in-process)",
     ),
+    # --- issue 41: `meshspeed sample --nproc 2/3` launches workers that import torch (10-16 s)
+    (
+        "tests/infer/test_cli_sample.py::test_nproc_writes_the_same_pngs",
+        "tests/infer/test_diffusion.py::test_dp_gives_byte_identical_pngs (the same sampling at dp 2 "
+        "and 3 in the pool) and test_cli_sample.py::test_run_dir_samples (the run directory's loading)",
+    ),
 ]
 SLOW: dict[str, str] = dict(_ENTRIES)

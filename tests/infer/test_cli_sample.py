@@ -1,8 +1,7 @@
-"""`meshspeed sample`: each bad flag is one line before any worker starts; the rank-0 side writes
-one PNG per image and a grid with a row per class and prints images/s; `--help` imports no torch.
-
-The model is StandIn (test_diffusion.py) until models/dit.py lands; the loading of a 'dit' run
-directory is infer/sample_run.load_model, the path `meshspeed generate` takes for a Llama run."""
+"""`meshspeed sample`: from a dit run directory (a checkpoint save_checkpoint wrote, recording
+its model config as the trainer's do) --nproc 1, 2 and 3 write byte-identical PNGs; each bad
+flag is one line before any worker starts; rank 0 writes one PNG per image and a grid with a
+row per class and prints images/s; `--help` imports no torch."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from PIL import Image
 
 from meshspeed import comm
@@ -19,19 +19,80 @@ from meshspeed.cli import main
 from meshspeed.comm.errors import ConfigError
 from meshspeed.infer.sample_run import parse_classes, sample_and_report
 from meshspeed.models import get_preset
-from tests.infer.test_diffusion import N_CLASSES, StandIn
+from tests.infer.test_diffusion import N_CLASSES, tiny_dit
+
+
+def _run_dir(d: str, model, config) -> str:
+    from meshspeed.checkpoint.dcp import save_checkpoint
+
+    mesh = comm.ParallelDims().build(comm.init())
+    save_checkpoint(d, 1, model, None, mesh, extra={"model_config": dataclasses.asdict(config)})
+    return d
 
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
     """A run directory whose checkpoint records a Llama config: sample must refuse it."""
-    from meshspeed.checkpoint.dcp import save_checkpoint
+    return _run_dir(str(tmp_path_factory.mktemp("run")), torch.nn.Linear(2, 2), get_preset("tiny"))
 
-    d = str(tmp_path_factory.mktemp("run"))
-    mesh = comm.ParallelDims().build(comm.init())
-    extra = {"model_config": dataclasses.asdict(get_preset("tiny"))}
-    save_checkpoint(d, 1, StandIn(), None, mesh, extra=extra)
-    return d
+
+@pytest.fixture(scope="module")
+def dit_run(tmp_path_factory):
+    model = tiny_dit(seed=2)
+    return _run_dir(str(tmp_path_factory.mktemp("dit")), model, model.config)
+
+
+ARGS = [
+    "--classes",
+    "1,4,7",
+    "--n",
+    "2",
+    "--steps",
+    "2",
+    "--sampler",
+    "heun",
+    "--guidance",
+    "2",
+    "--seed",
+    "3",
+]
+
+
+def _pngs(d) -> dict[str, bytes]:
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+
+
+@pytest.fixture(scope="module")
+def solo_pngs(dit_run, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("solo"))
+    assert main(["sample", "--run", dit_run, "--out", out, *ARGS]) == 0
+    return _pngs(out)
+
+
+def test_run_dir_samples(solo_pngs):
+    assert len(solo_pngs) == 7 and "grid.png" in solo_pngs and "sample-0005-c7.png" in solo_pngs
+    # the checkpoint's weights were loaded: a fresh dit (adaLN-Zero: v = 0) would leave the
+    # noise, and images of different classes differ
+    assert solo_pngs["sample-0000-c1.png"] != solo_pngs["sample-0002-c4.png"]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_nproc_writes_the_same_pngs(dit_run, solo_pngs, tmp_path, nproc):
+    assert main(["sample", "--run", dit_run, "--out", str(tmp_path), "--nproc", str(nproc), *ARGS]) == 0
+    assert _pngs(tmp_path) == solo_pngs
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--classes", "3,10"], "--classes='3,10': '10' is not a class id; give comma-separated ids in 0..9"),
+        (["--prompts", "p.txt"], "--prompts: text-conditioned sampling is not available yet"),
+    ],
+)
+def test_bad_flags_for_the_model_are_one_line(dit_run, argv, needle, capsys):
+    assert main(["sample", "--run", dit_run, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(
@@ -86,7 +147,7 @@ def test_rank0_writes_pngs_and_grid(tmp_path, capsys):
         "steps": 2, "sampler": "euler", "guidance": 2.0, "seed": 0, "null_class": N_CLASSES,
         "out": out, "nproc": 1,
     }  # fmt: skip
-    got = sample_and_report(StandIn().eval(), job, None, 0)
+    got = sample_and_report(tiny_dit(), job, None, 0)
     files = sorted(os.listdir(out))
     assert files[0] == "grid.png" and len(files) == 13 and files[1] == "sample-0000-c2.png"
     assert files[-1] == "sample-0011-c7.png"

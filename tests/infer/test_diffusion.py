@@ -1,9 +1,8 @@
 """Rectified-flow sampling: Euler and Heun integrate dx/dt = v exactly as their formulas say,
 guidance mixes the conditional and unconditional velocities of one batched forward, image i's
-noise depends on (seed, i) alone, and dp 1, 2 and 3 give byte-identical PNGs for the same seeds.
-
-StandIn has the DiT's signature (model(x, t, y) -> v, null class = n_classes) and, like it, no
-op that mixes the images of a batch; tests switch to models/dit.py once it lands."""
+noise depends on (seed, i) alone, and dp 1, 2 and 3 give byte-identical PNGs for the same seeds
+(models/dit.py's DiT, its weights perturbed: adaLN-Zero's init predicts v = 0 everywhere, which
+would make every layout agree trivially)."""
 
 from __future__ import annotations
 
@@ -18,27 +17,22 @@ from meshspeed import comm
 from meshspeed.comm.errors import ConfigError
 from meshspeed.data.images import save_png, to_uint8
 from meshspeed.infer.diffusion import image_noise, sample, sample_parallel
+from meshspeed.models import build_model, get_preset
 from tests import harness
 
 SHAPE = (1, 8, 8)
 N_CLASSES = 10
 
 
-class StandIn(nn.Module):
-    """A tiny conditional velocity net: conv over x, plus embeddings of t and y (y = N_CLASSES
-    is the null class)."""
-
-    def __init__(self, seed: int = 0, n_classes: int = N_CLASSES):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 1, 3, padding=1)
-        self.t = nn.Linear(1, 16)
-        self.y = nn.Embedding(n_classes + 1, 16)
-
-    def forward(self, x, t, y):
-        h = self.conv1(x) + (self.t(t[:, None]) + self.y(y))[:, :, None, None]
-        return self.conv2(torch.nn.functional.silu(h))
+def tiny_dit(seed: int = 0) -> nn.Module:
+    """A 2-block dit-tiny (8 × 8 digits, 10 classes + null) with every weight moved off its
+    zero init by seeded noise, so the velocity depends on x, t and y."""
+    model = build_model(get_preset("dit-tiny", n_layers=2, dim=48), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
 
 
 class Linear(nn.Module):
@@ -109,13 +103,16 @@ def test_noise_depends_on_seed_and_index_alone():
 
 
 def test_batch_split_gives_the_same_images():
-    model = StandIn().eval()
+    model = tiny_dit()
     y = torch.arange(7) % N_CLASSES
     kw = dict(steps=3, sampler="heun", guidance=1.5, null_class=N_CLASSES, seed=9)
     whole = sample(model, y, SHAPE, **kw)
     parts = torch.cat([sample(model, y[:3], SHAPE, rows=range(3), **kw),
                        sample(model, y[3:], SHAPE, rows=range(3, 7), **kw)])  # fmt: skip
     assert torch.equal(whole, parts)
+    # not trivially equal: the model moved the noise, and guidance moved it differently
+    assert (whole - image_noise(SHAPE, 9, range(7))).abs().max() > 0.1
+    assert (whole - sample(model, y, SHAPE, **{**kw, "guidance": 1.0})).abs().max() > 0.01
 
 
 @pytest.mark.parametrize(
@@ -128,7 +125,7 @@ def test_batch_split_gives_the_same_images():
 )
 def test_bad_settings_are_one_line(kw, needle):
     with pytest.raises(ConfigError, match="^" + needle.replace("(", r"\(")):
-        sample(StandIn(), torch.zeros(1, dtype=torch.long), SHAPE, **kw)
+        sample(tiny_dit(), torch.zeros(1, dtype=torch.long), SHAPE, **kw)
 
 
 def png_bytes(images: torch.Tensor) -> list[bytes]:
@@ -141,7 +138,7 @@ def png_bytes(images: torch.Tensor) -> list[bytes]:
 
 
 def dp_job(ctx, n: int):
-    model = StandIn(seed=1).eval()
+    model = tiny_dit(seed=1)
     y = torch.arange(n) % N_CLASSES
     kw = dict(steps=3, sampler="heun", guidance=2.0, null_class=N_CLASSES, seed=5)
     solo = sample(model, y, SHAPE, **kw)  # dp 1
