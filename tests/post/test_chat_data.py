@@ -25,8 +25,6 @@ from meshspeed.data.corpus import DataError
 from meshspeed.data.tokenizer import ByteTokenizer, load_tokenizer
 from tests.post.tiny_hf import hf_tokenizer
 
-pytest.importorskip("transformers")
-
 CONVERSATIONS = [
     {
         "messages": [
@@ -70,6 +68,7 @@ def _jsonl(path, records) -> str:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
+    pytest.importorskip("transformers")
     return hf_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
 
@@ -181,6 +180,7 @@ def test_held_out_split_is_the_last_records(tmp_path):
 
 
 def _templated(tmp_path, template: str):
+    pytest.importorskip("transformers")
     from tests.post.tiny_hf import tiny_tokenizer
 
     d = tiny_tokenizer(str(tmp_path / "tok"))

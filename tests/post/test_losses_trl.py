@@ -19,8 +19,6 @@ import torch.nn.functional as F
 
 from meshspeed.losses import dpo_loss, preference_metrics, sequence_logps, sft_loss
 
-trl = pytest.importorskip("trl")
-
 
 class _Accelerator:
     device = torch.device("cpu")
@@ -34,7 +32,7 @@ class _Accelerator:
 def trl_dpo(pc, pr, rc, rr, lc, lr, *, beta, loss_type, label_smoothing=0.0):
     """(TRL's loss, its logged metrics) for summed log-probs pc/pr (policy), rc/rr (reference) of
     completions of lc/lr tokens."""
-    from trl import DPOTrainer
+    DPOTrainer = pytest.importorskip("trl").DPOTrainer
 
     b, s = pc.shape[0], int(max(lc.max(), lr.max())) + 1
     completion = torch.zeros(2 * b, s, dtype=torch.long)
@@ -197,6 +195,7 @@ def test_sequence_logps_of_bf16_logits_is_computed_in_float32():
 def test_sft_loss_is_transformers_causal_lm_loss_per_token_over_the_global_batch():
     """TRL's SFTTrainer loss = transformers' ForCausalLMLoss with num_items_in_batch = the labelled
     tokens of the whole accumulated batch; meshspeed's labels are already shifted."""
+    pytest.importorskip("transformers")
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     g = torch.Generator().manual_seed(5)
