@@ -32,7 +32,7 @@ def test_digits_records_and_split():
     assert torch.equal(torch.unique(x), torch.arange(17.0) / 8 - 1)
     # the split is a fixed partition of the 1,797 images, every class in the held-out part
     assert set(val["labels"].tolist()) == set(range(10))
-    again, val2 = load_image_records("digits")
+    _, val2 = load_image_records("digits")
     assert torch.equal(val["images"], val2["images"])
     from sklearn.datasets import load_digits
 
@@ -46,12 +46,14 @@ def test_folder_classes_and_values(tmp_path):
     _png(tmp_path / "cat" / "0.png", a)
     _png(tmp_path / "cat" / "1.png", b)
     _png(tmp_path / "dog" / "0.png", b)
+    _png(tmp_path / "dog" / "1.jpg", b)  # JPEG too (white survives its compression exactly)
+    (tmp_path / "dog" / "notes.txt").write_text("not an image, not read")
     recs, names = read_images(str(tmp_path))
-    assert names == ["cat", "dog"] and recs["labels"].tolist() == [0, 0, 1]
-    assert recs["images"].shape == (3, 1, 4, 5)  # [N, C, H, W]: H=4 rows, W=5 columns
-    assert recs["images"][0].max() == -1 and recs["images"][1].min() == 1
+    assert names == ["cat", "dog"] and recs["labels"].tolist() == [0, 0, 1, 1]
+    assert recs["images"].shape == (4, 1, 4, 5)  # [N, C, H, W]: H=4 rows, W=5 columns
+    assert recs["images"][0].max() == -1 and recs["images"][1].min() == 1 and recs["images"][3].min() == 1
     train, val = split(recs, 0.34)
-    assert train["images"].shape[0] + val["images"].shape[0] == 3 and val["images"].shape[0] == 2
+    assert train["images"].shape[0] == 2 and val["images"].shape[0] == 2
 
 
 def test_colour_and_grey_mix_to_rgb(tmp_path):

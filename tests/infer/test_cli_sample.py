@@ -160,6 +160,18 @@ def test_rank0_writes_pngs_and_grid(tmp_path, capsys):
     assert "wrote 12 PNGs and grid.png" in printed and "images/s" in printed
 
 
+def test_score_prints_the_digit_figure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the classifier trained here
+    job = {
+        "labels": list(range(10)) * 2, "per_class": 10, "shape": [1, 8, 8], "steps": 1,
+        "sampler": "euler", "guidance": 1.0, "seed": 0, "null_class": N_CLASSES,
+        "out": str(tmp_path / "s"), "score": True,
+    }  # fmt: skip
+    got = sample_and_report(tiny_dit(), job, None, 0)
+    assert got["score"]["n"] == 20 and 0 <= got["score"]["accuracy"] <= 1 and got["score"]["fid"] > 0
+    assert "the digit classifier recognises" in capsys.readouterr().out
+
+
 def test_help_imports_no_torch():
     # the sample command's own parser alone (another command's module may import torch itself)
     code = (
