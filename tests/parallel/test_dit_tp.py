@@ -59,6 +59,9 @@ def job_dit_tp(ctx, sp: bool) -> list[str]:
 
     mesh = comm.ParallelDims(tp=g.size).build(ctx)
     model = parallelize(copy.deepcopy(ref), mesh, recipe, sequence_parallel=sp)
+    rows = []  # the text keys: every rank reads the 5 text tokens once (a sequence gather of the
+    # whole text would repeat them tp times: the same attention, tp times the work)
+    model.blocks["0"].cross.wk.register_forward_hook(lambda m, i, o: rows.append(o.shape[1]))
     loss = _loss(model, batch)
     loss.backward()
     bad = (
@@ -66,6 +69,8 @@ def job_dit_tp(ctx, sp: bool) -> list[str]:
         if torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-7)
         else [f"loss {loss.item()} != {ref_loss.item()}"]
     )
+    if rows != [5]:
+        bad.append(f"text keys computed over {rows} rows, want [5]")
     params = dict(model.named_parameters())
     if set(params) != set(want):
         bad.append(f"parameter names differ: {sorted(set(params) ^ set(want))}")
