@@ -119,10 +119,9 @@ def dpo_loss(
                 "dpo loss_type='ipo' needs chosen_lengths and rejected_lengths (each completion's token "
                 "count, e.g. (labels != -100).sum(-1)): TRL 1.x averages IPO's log-ratios per token"
             )
-        per_token = chosen_logratios / chosen_lengths.clamp(
-            min=1
-        ) - rejected_logratios / rejected_lengths.clamp(min=1)
-        losses = (per_token - 1 / (2 * beta)) ** 2
+        chosen_avg = chosen_logratios / chosen_lengths.clamp(min=1)
+        rejected_avg = rejected_logratios / rejected_lengths.clamp(min=1)
+        losses = (chosen_avg - rejected_avg - 1 / (2 * beta)) ** 2
     else:
         eps = label_smoothing
         losses = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
