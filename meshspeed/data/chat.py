@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from bisect import bisect_left, insort
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +60,6 @@ class ChatStats:
     truncated: int = 0
     dropped: int = 0
     """Sequences (or pairs) left with no labelled token after truncation."""
-    rows: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- reading

@@ -109,6 +109,37 @@ def load_records(path: str, setting: str = "data.path") -> RecordFile:
     return RecordFile(kind, splits["train"], splits["val"], meta)
 
 
+OBJECTIVE_KINDS = {"sft": "chat", "dpo": "pairs"}
+
+
+def check_records(rf: RecordFile, *, objective: str | None = None, tokenizer=None, seq_len: int | None = None,
+                  vocab_size: int | None = None, setting: str = "data.path") -> None:  # fmt: skip
+    """One line when a prepared file does not fit the run: the objective's kind (sft reads chat
+    records, dpo pairs), the tokenizer it was made with (sha256 of tokenizer.json; bytes = None),
+    the model's vocabulary, or a row length other than the run's seq_len (rows are not re-cut)."""
+    src = rf.meta.get("source", "?")
+    if objective is not None and OBJECTIVE_KINDS.get(objective, rf.kind) != rf.kind:
+        raise DataError(
+            f"{setting} holds {rf.kind} records but train.objective={objective!r} reads "
+            f"{OBJECTIVE_KINDS[objective]} records; prepare {src} with --kind {OBJECTIVE_KINDS[objective]}"
+        )
+    if tokenizer is not None and tokenizer_digest(tokenizer) != rf.meta.get("tokenizer_sha256"):
+        raise DataError(
+            f"{setting} was prepared with tokenizer {rf.meta.get('tokenizer')!r}, not the run's "
+            f"{getattr(tokenizer, 'path', 'bytes')!r}; prepare it again with --tokenizer set to the run's"
+        )
+    if seq_len is not None and seq_len != rf.meta["seq_len"]:
+        raise DataError(
+            f"{setting} holds rows of {rf.meta['seq_len']} tokens but the run's seq_len is {seq_len}; set "
+            f"seq_len {rf.meta['seq_len']} or prepare it again with --seq-len {seq_len}"
+        )
+    if vocab_size is not None and rf.meta.get("vocab_size", 0) > vocab_size:
+        raise DataError(
+            f"{setting} was made with a {rf.meta['vocab_size']}-token vocabulary but the model's vocab_size "
+            f"is {vocab_size}; use a model with vocab_size ≥ {rf.meta['vocab_size']} or a matching tokenizer"
+        )
+
+
 def prepare_records(
     kind: str,
     inputs: list[str],

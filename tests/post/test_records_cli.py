@@ -119,3 +119,23 @@ def test_load_records_refuses_other_files(tmp_path):
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(DataError, match="is not a prepared record file"):
         load_records(str(junk))
+
+
+def test_check_records_names_what_does_not_fit_the_run(arith_dir, tmp_path):
+    from meshspeed.data.record_file import check_records
+
+    out = tmp_path / "pairs.safetensors"
+    src = str(arith_dir / "pairs.train.jsonl")
+    assert (
+        main(["data", "prepare", "--kind", "pairs", "--input", src, "--seq-len", "40", "--out", str(out)])
+        == 0
+    )
+    rf = load_records(str(out))
+    check_records(rf, objective="dpo", tokenizer=ByteTokenizer(), seq_len=40, vocab_size=256)
+    for kwargs, needle in [
+        ({"objective": "sft"}, "holds pairs records but train.objective='sft' reads chat records"),
+        ({"seq_len": 64}, "holds rows of 40 tokens but the run's seq_len is 64"),
+        ({"vocab_size": 128}, "a 256-token vocabulary but the model's vocab_size is 128"),
+    ]:
+        with pytest.raises(DataError, match=re.escape(needle)):
+            check_records(rf, **kwargs)
