@@ -210,6 +210,9 @@ def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
         src = [os.path.join(lib, n) for n in sorted(os.listdir(lib)) if n.endswith(".py")]
         body = "".join(open(p, errors="replace").read() for p in src)[:600_000]
         (cwd / "notes.txt").write_text(body)
+    if "data/arith/" in text:  # docs/post-training.md: the arithmetic task's files, as its first command
+        arith = ["meshspeed", "data", "prepare", "--kind", "arith", "--out", "data/arith", "--count", "400"]
+        _ok(run(arith, cwd, 300), "meshspeed data prepare --kind arith")
     if "prompts.txt" in text:
         (cwd / "prompts.txt").write_text("Once upon\nThe\n")
     if re.search(r"(^| )train\.py( |$)", text):
