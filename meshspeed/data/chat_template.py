@@ -92,7 +92,13 @@ class HFChatFormat:
         return None
 
     def token_mask(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
-        enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        try:
+            enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # a slow (pure Python) tokenizer keeps no character offsets
+            raise DataError(
+                f"data.tokenizer={self.name!r} is a slow tokenizer without character offsets; give its "
+                "fast version (a directory with tokenizer.json)"
+            ) from None
         ids = list(enc["input_ids"])
         if not spans:
             return ids, [False] * len(ids)
