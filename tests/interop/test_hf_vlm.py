@@ -46,16 +46,28 @@ def hf_model(config: ModelConfig, seed: int = 0):
     return model
 
 
+def processor():
+    """transformers' own Qwen2-VL image processor, with no resize or normalisation: it lays the
+    patches out as its model expects, independently of meshspeed's patchify."""
+    return transformers.Qwen2VLImageProcessor(
+        do_resize=False,
+        do_rescale=False,
+        do_normalize=False,
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+
+
 def inputs(b: int = 2):
-    """Text, then one image's 4 placeholders, then more text; images; HF's pixel_values (each
-    patch as Qwen2-VL's processor lays it out: (channel, time, row, col), 2 equal frames)."""
+    """Text, then one image's 4 placeholders, then more text; images; HF's pixel_values."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 200, (b, 22), generator=gen)
     tokens[:, 5:9] = IMG
     images = torch.rand(b, 3, 16, 16, generator=gen) * 2 - 1
-    p = CONFIG.patch_size
-    pv = patchify(images, p, 2).reshape(-1, 3, 1, p, p).expand(-1, -1, 2, -1, -1).reshape(-1, 3 * 2 * p * p)
-    return tokens, images, pv
+    out = processor()(images=list(images.numpy()), return_tensors="pt", input_data_format="channels_first")
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4]] * b
+    return tokens, images, out["pixel_values"]
 
 
 def hf_logits(model, tokens, pixel_values) -> torch.Tensor:
@@ -107,16 +119,9 @@ def test_export_loads_back_into_transformers(pair):
 
 
 def test_patch_order_is_the_processors():
-    """transformers' own image processor (no resize or normalisation) lays the patches out as
-    patchify does: the window order the merger and the vision positions assume."""
-    proc = transformers.Qwen2VLImageProcessor(
-        do_resize=False,
-        do_rescale=False,
-        do_normalize=False,
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
+    """patchify lays the patches out as transformers' processor does: the window order the merger
+    and the vision positions assume."""
+    proc = processor()
     img = np.random.default_rng(0).random((16, 16, 3)).astype(np.float32)
     out = proc(images=[img], return_tensors="pt", input_data_format="channels_last")
     pv = out["pixel_values"].view(-1, 3, 2, 4, 4)[:, :, 0].reshape(-1, 48)
