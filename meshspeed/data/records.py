@@ -14,7 +14,8 @@ the same for every dp/tp/pp/cp layout and micro-batch size, and after a resume.
 [(a·dp + r)·micro, (a·dp + r + 1)·micro).
 
 The validation loader walks the validation records in order: batch b holds records
-[b·G, (b+1)·G), the same at every evaluation and for every layout.
+[b·G, (b+1)·G), the same at every evaluation and for every layout (a split smaller than G is
+read cyclically).
 """
 
 from __future__ import annotations
@@ -126,12 +127,9 @@ class RecordValidation(_RecordBatches):
         max_batches: int | None = None,
     ):
         super().__init__(records, global_batch_size, micro_batch_size, dp_rank, dp_size)
-        self.num_batches = self.n // global_batch_size
-        if self.num_batches < 1:
-            raise DataError(
-                f"the validation split holds {self.n} records, fewer than one "
-                f"train.global_batch_size={global_batch_size}; use a smaller global batch or more data"
-            )
+        # A split smaller than one global batch is read cyclically (its records repeated to fill
+        # one batch): small fine-tuning sets keep a held-out figure at any batch size.
+        self.num_batches = max(1, self.n // global_batch_size)
         if max_batches is not None:
             self.num_batches = max(1, min(self.num_batches, max_batches))
 
@@ -139,4 +137,4 @@ class RecordValidation(_RecordBatches):
         if not 0 <= step < self.num_batches:
             raise IndexError(f"validation batch {step} is outside 0..{self.num_batches - 1}")
         g = self.global_batch_size
-        return torch.arange(step * g, (step + 1) * g)
+        return torch.arange(step * g, (step + 1) * g) % self.n

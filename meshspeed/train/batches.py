@@ -52,20 +52,29 @@ class TokenBatches:
 
 def record_splits(cfg, tokenizer, objective: str) -> tuple[Batch, Batch]:
     """(train, validation) records of a post-training objective: data.path a JSON-lines file of
-    conversations (sft) or pairs (dpo), or a file `meshspeed data prepare` wrote; empty = the
-    built-in arithmetic task (data/arith.py)."""
+    conversations (sft) or pairs (dpo), or a record file `meshspeed data prepare --kind` wrote;
+    empty = the built-in arithmetic task (data/arith.py)."""
     from meshspeed.data import chat
+    from meshspeed.data.record_file import load_records
 
     t, path = cfg.train, cfg.data.path
+    kind = "chat" if objective == "sft" else "pairs"
     if not path:
-        from meshspeed.data.arith import builtin_split
+        from meshspeed.data.arith import builtin_records
 
-        return builtin_split(objective, tokenizer, t.seq_len, packing=cfg.data.packing)
-    if chat.is_prepared(path):
-        return chat.load_prepared_split(path, objective, t.seq_len)
-    if objective == "sft":
-        return chat.load_chat_split(path, tokenizer, t.seq_len, packing=cfg.data.packing)
-    return chat.load_pairs_split(path, tokenizer, t.seq_len)
+        return builtin_records(kind, tokenizer, t.seq_len, packing=cfg.data.packing)
+    if path.endswith((".jsonl", ".ndjson", ".json")):
+        if kind == "chat":
+            return chat.load_chat_split(path, tokenizer, t.seq_len, packing=cfg.data.packing)
+        return chat.load_pairs_split(path, tokenizer, t.seq_len)
+    f = load_records(path)
+    if f.kind != kind or f.meta.get("seq_len") != t.seq_len:
+        raise ConfigError(
+            f"data.path={path!r} holds {f.kind} records of {f.meta.get('seq_len')} tokens; "
+            f"train.objective={objective} with train.seq_len={t.seq_len} needs {kind} records of that "
+            f"length: prepare it with --kind {kind} --seq-len {t.seq_len}"
+        )
+    return f.train, f.val
 
 
 def make_loaders(cfg, tokenizer, dp_rank: int, dp_size: int):

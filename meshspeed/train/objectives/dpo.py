@@ -43,6 +43,8 @@ class DPO(Objective):
             "tokens": torch.cat([batch["chosen_tokens"], batch["rejected_tokens"]]),
             "labels": torch.cat([batch["chosen_labels"], batch["rejected_labels"]]),
             "n_chosen": (batch["chosen_labels"] != -100).sum(),  # whole rows: before any cp slicing
+            # completion tokens per row (IPO averages its log-ratios per token, as TRL does)
+            "lengths": torch.cat([(batch[k] != -100).sum(-1) for k in ("chosen_labels", "rejected_labels")]),
         }
 
     @staticmethod
@@ -65,6 +67,8 @@ class DPO(Objective):
             beta=self.beta,
             loss_type=self.loss_type,
             label_smoothing=self.label_smoothing,
+            chosen_lengths=rows["lengths"][:pairs],
+            rejected_lengths=rows["lengths"][pairs:],
         )
         loss = losses.mean()
         if self.sft_weight:  # NLL of the chosen answers, per token over the micro-batch (TRL's rpo_alpha)
