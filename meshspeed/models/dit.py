@@ -254,10 +254,18 @@ class DiT(nn.Module):
         y: torch.Tensor | None = None,
         text: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.x_embedder(x) if self.x_embedder is not None else x  # [B, N(/tp), dim]
-        c = self.condition(t, y)
+        h, c = self.embed(x, t, y)
         for block in self.blocks.values():
             h = block(h, c, text)
-        if self.final_layer is None:
-            return h
+        return h if self.final_layer is None else self.head(h, c)
+
+    # The three pieces a pipeline runs (stage 0, every stage, the last stage): c is made once on
+    # stage 0 and travels beside h, as an activation with a gradient (dit_recipe.layer_args).
+    def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None):
+        """Patch tokens h [B, N(/tp), dim] and the conditioning c [B, dim] (the first stage's work)."""
+        h = self.x_embedder(x) if self.x_embedder is not None else x
+        return h, self.condition(t, y)
+
+    def head(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Final adaLN + Linear + unpatchify: [B, N(/tp), dim] -> [B, C_out, H, W]."""
         return self.unpatchify(self.final_layer(h, c))
