@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshspeed.data.chat_template import ROLES, chat_format
+from meshspeed.data.chat_template import ROLES, chat_format, common_chars
 from meshspeed.data.corpus import DEFAULT_VAL_FRACTION, DataError
 
 IGNORE_INDEX = -100
@@ -124,22 +124,31 @@ def _render(fmt, msgs, where: str, gen: bool = False) -> str:
 
 
 def _span(fmt, before: list[dict], upto: list[dict], full: str, where: str, what: str) -> tuple[int, int]:
-    """Characters of `full` that `upto[len(before):]` (the model's answer) renders to."""
+    """Characters of `full` that `upto[len(before):]` (the model's answer) renders to.
+
+    Starts where the prompt rendered with its generation prompt and the conversation rendered up
+    to the answer diverge (TRL's rule: a template whose generation prompt differs from its
+    rendered turn, e.g. an empty `<think></think>` only in the latter, trains from the first
+    difference). Ends where the conversation up to the answer and the whole one diverge: the
+    turn's end, or earlier when the template closes only the last turn with something (Phi-3's
+    final end-of-text); the answer must lie within, else the template rewrote it."""
     pre = _render(fmt, before, where, gen=True)
     end = _render(fmt, upto, where)
-    if not (end.startswith(pre) and full.startswith(end)):
+    start = common_chars(pre, end)
+    stop = len(full) if end == full else fmt.common_prefix(end, full)
+    answers = [m["content"].strip() for m in upto[len(before) :] if m["role"] == "assistant"]
+    if any(a not in end[start:] for a in answers):
         raise DataError(
-            f"{where}: the chat template cannot be split at {what}: the conversation rendered up to it "
-            "is not a prefix of the whole (the template rewrites earlier turns); use a template that "
-            "renders each turn the same whatever follows"
+            f"{where}: the rendered {what} does not hold the assistant's content where expected "
+            "(the template drops or rewrites it); use a template that renders assistant turns verbatim"
         )
-    for m in upto[len(before) :]:
-        if m["role"] == "assistant" and m["content"].strip() not in end[len(pre) :]:
-            raise DataError(
-                f"{where}: the rendered {what} does not hold the assistant's content where expected "
-                "(the template drops or rewrites it); use a template that renders assistant turns verbatim"
-            )
-    return len(pre), len(end)
+    if stop < start or any(a not in full[start:stop] for a in answers):
+        raise DataError(
+            f"{where}: the chat template cannot be split at {what}: it renders that turn differently "
+            "once later turns follow (e.g. drops earlier reasoning); use a template that renders each "
+            "turn the same whatever follows"
+        )
+    return start, stop
 
 
 def conversation_ids(fmt, rec: dict, where: str) -> tuple[list[int], list[bool]]:

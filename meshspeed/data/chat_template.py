@@ -15,13 +15,15 @@ End-of-turn id 0 is `ByteTokenizer.eot`, the corpus' end-of-document byte: gener
 stops at it, and UTF-8 text never holds it (a message that does is refused). The generation
 prompt (what `generate --chat` appends before the model answers) is `<|assistant|>\\n`.
 
-**Which tokens are the model's** (`token_mask`): the template is rendered once per assistant
-turn, up to the turn with the generation prompt and up to the turn's end; the characters
-between the two are the turn (its content and closing tokens: `\\0` here, `<|im_end|>\\n` for
-ChatML), and every token that overlaps them is trained on. A token straddling the prompt/answer
-boundary counts as the answer's, as TRL's common-prefix rule counts it. A template that renders
-an earlier turn differently once later turns follow, or that drops the assistant's content, cannot
-be split this way and is reported (see chat.py).
+**Which tokens are the model's** (chat.py's `_span`): the template is rendered once per assistant
+turn, up to the turn with the generation prompt and up to the turn's end. The answer starts where
+the two first differ (TRL's rule: a token straddling the boundary counts as the answer's) and ends
+where the conversation up to it and the whole conversation first differ, compared token by token
+(`common_prefix`), so a template that closes only the final turn (Phi-3's end-of-text) marks that
+token on the final turn alone. The span holds the content and the turn's closing tokens (`\\0`
+here, `<|im_end|>\\n` for ChatML); every token overlapping it is trained on. A template that
+renders an earlier turn differently once later turns follow, or drops the assistant's content,
+cannot be split this way and is reported.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class ByteChatFormat:
     def check_content(self, text: str) -> str | None:
         return "holds a NUL byte, the byte template's end-of-turn token" if END_OF_TURN in text else None
 
+    def common_prefix(self, a: str, b: str) -> int:
+        """Characters of the longest common prefix of a and b (bytes are the tokens here)."""
+        return common_chars(a, b)
+
     def token_mask(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
         data = text.encode("utf-8")
         mask = [False] * len(data)
@@ -91,14 +97,27 @@ class HFChatFormat:
     def check_content(self, text: str) -> str | None:
         return None
 
-    def token_mask(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    def common_prefix(self, a: str, b: str) -> int:
+        """Characters of a's tokens up to the first token where a and b differ: token-level, so a
+        special token (`<|im_end|>` against `<|im_start|>`) is never split by the texts' shared
+        first characters."""
+        ea, eb = self._encode(a), self._encode(b)
+        ia, ib = ea["input_ids"], eb["input_ids"]
+        k = next((i for i in range(min(len(ia), len(ib))) if ia[i] != ib[i] or
+                  ea["offset_mapping"][i] != eb["offset_mapping"][i]), min(len(ia), len(ib)))  # fmt: skip
+        return ea["offset_mapping"][k - 1][1] if k else 0
+
+    def _encode(self, text: str):
         try:
-            enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            return self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         except NotImplementedError:  # a slow (pure Python) tokenizer keeps no character offsets
             raise DataError(
                 f"data.tokenizer={self.name!r} is a slow tokenizer without character offsets; give its "
                 "fast version (a directory with tokenizer.json)"
             ) from None
+
+    def token_mask(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+        enc = self._encode(text)
         ids = list(enc["input_ids"])
         if not spans:
             return ids, [False] * len(ids)
@@ -109,6 +128,12 @@ class HFChatFormat:
             # overlap, or a zero-width token inside the span
             mask |= ((start < b) & (end > a)) | ((start == end) & (start >= a) & (start < b))
         return ids, mask.tolist()
+
+
+def common_chars(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings."""
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
 
 
 def chat_format(tokenizer) -> ByteChatFormat | HFChatFormat:

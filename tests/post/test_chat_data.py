@@ -244,3 +244,29 @@ def test_a_template_that_drops_the_answer_is_refused(tmp_path):
     )
     with pytest.raises(DataError, match="does not hold the assistant's content"):
         load_chat(_jsonl(tmp_path / "c.jsonl", COMPLETIONS[:1]), tok, 64)
+
+
+def test_a_template_closing_only_the_last_turn_keeps_that_token_off_earlier_turns(tmp_path):
+    """Phi-3's pattern: an end-of-text after the final answer only. `<|endoftext|>` and the next
+    turn's `<|im_start|>` share their first characters, not their token: the earlier answer's mask
+    must stop at its own `<|im_end|>\\n`, as HF's generation mask does."""
+    tok = _templated(
+        tmp_path,
+        (
+            "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+            "{%- if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}"
+            "{% endgeneration %}{%- else %}{{ m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+            "{%- elif messages[-1]['role'] == 'assistant' %}{% generation %}{{ '<|endoftext|>' }}"
+            "{% endgeneration %}{%- endif %}"
+        ),
+    )
+    from meshspeed.data.chat_template import chat_format
+
+    hf = chat_format(tok).hf
+    conv = CONVERSATIONS[0]["messages"]
+    recs = load_chat(_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:1]), tok, 96)
+    ref = hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, want = ref["input_ids"], [j for j, m in enumerate(ref["assistant_masks"]) if m]
+    assert recs["tokens"][0, : len(ids)].tolist() == ids
+    assert _trained_positions(recs["labels"][0], recs["tokens"][0]) == want
