@@ -23,7 +23,7 @@ from meshspeed.data.chat import (
 )
 from meshspeed.data.corpus import DataError
 from meshspeed.data.tokenizer import ByteTokenizer, load_tokenizer
-from tests.post.tiny_hf import hf_tokenizer
+from tests.post.tiny_hf import CHATML, hf_tokenizer
 
 CONVERSATIONS = [
     {
@@ -270,3 +270,30 @@ def test_a_template_closing_only_the_last_turn_keeps_that_token_off_earlier_turn
     ids, want = ref["input_ids"], [j for j, m in enumerate(ref["assistant_masks"]) if m]
     assert recs["tokens"][0, : len(ids)].tolist() == ids
     assert _trained_positions(recs["labels"][0], recs["tokens"][0]) == want
+
+
+@pytest.mark.parametrize(
+    "template, header_in_mask",
+    [("llama3", ""), ("qwen3", ""), ("phi3", ""), ("cohere", ""), ("gemma3", ""), ("glm4moe", ""),
+     ("qwen2_5", "\n"), ("qwen3_8", "<think>\n")],
+)  # fmt: skip
+def test_trls_training_templates_give_hugging_faces_assistant_masks(tmp_path, hf, template, header_in_mask):
+    """TRL ships `{% generation %}` versions of common templates (its assistant_only_loss): the
+    masks are equal, except where the generation block also covers the end of the generation
+    prompt (a role header's newline, an opened <think>), which a prompt already holds."""
+    import os
+
+    trl = pytest.importorskip("trl")
+    path = os.path.join(os.path.dirname(trl.__file__), "chat_templates", f"{template}_training.jinja")
+    hf.chat_template = open(path, encoding="utf-8").read()
+    try:
+        conv = CONVERSATIONS[0]["messages"]
+        recs = load_chat(_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:1]), hf, 1024)
+        ref = hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    finally:
+        hf.chat_template = CHATML
+    ids, want = ref["input_ids"], {j for j, m in enumerate(ref["assistant_masks"]) if m}
+    assert recs["tokens"][0, : len(ids)].tolist() == ids
+    got = set(_trained_positions(recs["labels"][0], recs["tokens"][0]))
+    assert got <= want
+    assert hf.decode([ids[j] for j in sorted(want - got)]) == header_in_mask * 2  # once per answer
