@@ -35,12 +35,17 @@ def test_labels_are_next_caption_tokens_and_ignored_elsewhere():
 
 
 def test_loss_counts_only_answer_tokens():
-    r = shapes_task(4, seed=0, n_image_tokens=N_IMG)
+    """The loss reaches exactly the positions that predict a caption byte or its end: from the
+    last placeholder to the caption's last byte (counted from the caption text, not the labels)."""
+    r = shapes_task(4, seed=0, n_image_tokens=N_IMG, seq_len=60)
     logits = torch.randn(*r["labels"].shape, 256, generator=torch.Generator().manual_seed(0))
     logits.requires_grad_(True)
     cross_entropy_loss(logits, r["labels"]).backward()
     touched = logits.grad.abs().sum(-1) > 0
-    assert torch.equal(touched, r["labels"] != -100)
+    want = torch.zeros_like(touched)
+    for i, tokens in enumerate(r["tokens"]):
+        want[i, N_IMG - 1 : N_IMG + len(caption_of(tokens))] = True
+    assert torch.equal(touched, want)
 
 
 def test_deterministic_from_the_seed():

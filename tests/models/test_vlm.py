@@ -4,16 +4,26 @@ forward and gradients. The Hugging Face oracle is tests/interop/test_hf_vlm.py."
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from meshspeed import comm
 from meshspeed.comm.placement import full_grad, sharding_of
-from meshspeed.models import ModelConfig, Qwen2, build_model, cross_entropy_loss, get_preset, param_count
+from meshspeed.models import (
+    ModelConfig,
+    Qwen2,
+    build_model,
+    cross_entropy_loss,
+    get_preset,
+    param_count,
+    recipe_for,
+)
 from meshspeed.models.vlm import grid_positions, mrope_positions, patchify, scatter_image_features
 from meshspeed.models.vlm_config import image_tokens
 from meshspeed.parallel.materialize import build_parallel_model
-from meshspeed.parallel.tensor import loss_fn
+from meshspeed.parallel.tensor import loss_fn, parallelize
 from tests import harness
 
 TINY = dict(
@@ -135,22 +145,35 @@ def test_presets_build_and_count():
 
 
 def job_tp(ctx, overrides: dict) -> list[str]:
-    """Mismatches between the tp model (born sharded) and the single-device one."""
+    """Mismatches between the tp model and the single-device one (forward and gradients), and
+    between the born-sharded model and the sliced single-device init."""
     g = ctx.world
     config = ModelConfig(**{**TINY, **overrides})
-    tokens, images, labels = batch(config)
+    recipe = recipe_for(config)
+    mesh = comm.ParallelDims(tp=g.size).build(ctx)
+    sliced = parallelize(build_model(config, seed=3), mesh, recipe)
+    born = build_parallel_model(recipe, mesh, seed=3)
+    bad = [
+        f"born-sharded {n} differs"
+        for (n, p), (m, q) in zip(sliced.named_parameters(), born.named_parameters())
+        if n != m or not torch.equal(p, q)
+    ]
+    # Every value random (biases and norms start at 0 and 1, where a bias added once per rank
+    # or a norm weight dropped would not show).
     ref = build_model(config, seed=3)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    model = parallelize(copy.deepcopy(ref), mesh, recipe)
+    tokens, images, labels = batch(config)
     ref_loss = cross_entropy_loss(ref(tokens, images), labels)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-
-    from meshspeed.models import recipe_for
-
-    mesh = comm.ParallelDims(tp=g.size).build(ctx)
-    model = build_parallel_model(recipe_for(config), mesh, seed=3)
     loss = loss_fn(model)(model(tokens, images), labels)
     loss.backward()
-    bad = [] if torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6) else [f"loss {loss} != {ref_loss}"]
+    if not torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6):
+        bad.append(f"loss {loss} != {ref_loss}")
     params = dict(model.named_parameters())
     if set(params) != set(ref_grads):
         bad.append(f"names differ: {sorted(set(params) ^ set(ref_grads))}")
