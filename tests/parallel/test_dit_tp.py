@@ -23,17 +23,18 @@ from meshspeed.parallel.tensor import parallelize
 from meshspeed.train.objectives.flow import flow_loss, noisy
 from tests import harness
 
-# 16 image tokens and 4 heads split at tp 2 and 4; text tokens (5) are never split.
+# 36 image tokens and 12 heads split at tp 2, 3 and 4 (3 catches power-of-two assumptions); the
+# text tokens (5) are never split.
 CFG = dict(
-    family="dit", dim=32, n_layers=2, n_heads=4, image_size=8, patch_size=2, in_channels=2,
+    family="dit", dim=48, n_layers=2, n_heads=12, image_size=12, patch_size=2, in_channels=2,
     n_classes=5, learn_sigma=True, text_dim=6,
 )  # fmt: skip
 
 
 def _batch(cfg: ModelConfig):
     gen = torch.Generator().manual_seed(11)
-    x0 = torch.randn(3, cfg.in_channels, 8, 8, generator=gen)
-    eps = torch.randn(3, cfg.in_channels, 8, 8, generator=gen)
+    x0 = torch.randn(3, cfg.in_channels, 12, 12, generator=gen)
+    eps = torch.randn(3, cfg.in_channels, 12, 12, generator=gen)
     t, y = torch.rand(3, generator=gen), torch.tensor([0, 4, 5])
     return x0, eps, t, y, torch.randn(3, 5, cfg.text_dim, generator=gen)
 
@@ -51,7 +52,7 @@ def job_dit_tp(ctx, sp: bool) -> list[str]:
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in ref.parameters():
-            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     batch = _batch(cfg)
     ref_loss = _loss(ref, batch)
     ref_loss.backward()
@@ -78,7 +79,8 @@ def job_dit_tp(ctx, sp: bool) -> list[str]:
     for name, p in params.items():
         sharded += sharding_of(p) is not None
         got = full_grad(p, {"tp": g})
-        if got is None or not torch.allclose(got, want[name], rtol=1e-4, atol=1e-6):
+        scale = max(1.0, want[name].abs().max().item())  # float32 sums reassociated over ranks
+        if got is None or not torch.allclose(got, want[name], rtol=1e-4, atol=1e-6 * scale):
             err = None if got is None else (got - want[name]).abs().max().item()
             bad.append(f"{name}: grad max err {err}")
     if sharded < 15 * cfg.n_layers:  # q k v o x2, fc1, fc2, modulation: weight and bias
@@ -96,7 +98,7 @@ def job_dit_tp(ctx, sp: bool) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 3, 4])
 def test_dit_tensor_parallel_matches_single_device(tp):
     for sp in (False, True):
         assert harness.run(tp, job_dit_tp, sp) == [[]] * tp, f"sp={sp}"
