@@ -255,6 +255,10 @@ def _run_arith(args) -> int:
 def run_prepare(args) -> int:
     from meshspeed.data.prepare import DataError, prepare_tokens, sidecar_path
 
+    if args.images and args.kind != "tokens":
+        print(f"meshspeed data prepare: --images and --kind {args.kind} cannot be combined; "
+              "prepare images and records separately", file=sys.stderr)  # fmt: skip
+        return 2
     if args.images:
         return run_prepare_images(args)
     if args.kind != "tokens":

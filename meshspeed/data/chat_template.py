@@ -171,3 +171,11 @@ def _transformers_tokenizer(path: str, file: str):
             with open(jinja, encoding="utf-8") as f:
                 hf.chat_template = f.read()
         return hf
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> tuple[list[int], int | None]:
+    """(ids of `messages` rendered with the generation prompt, the end-of-turn id to stop at): what
+    a chat model is given to answer, tokenized exactly as its training records were."""
+    fmt = chat_format(tokenizer)
+    ids, _ = fmt.token_mask(fmt.render(messages, add_generation_prompt=True), [])
+    return ids, fmt.end_of_turn_id

@@ -297,3 +297,13 @@ def test_trls_training_templates_give_hugging_faces_assistant_masks(tmp_path, hf
     got = set(_trained_positions(recs["labels"][0], recs["tokens"][0]))
     assert got <= want
     assert hf.decode([ids[j] for j in sorted(want - got)]) == header_in_mask * 2  # once per answer
+
+
+def test_prompt_ids_are_the_records_prompt(tmp_path, hf):
+    from meshspeed.data.chat_template import prompt_ids
+
+    for tok, eot in ((ByteTokenizer(), 0), (hf, hf.eos_token_id)):
+        recs = load_chat(_jsonl(tmp_path / "c.jsonl", COMPLETIONS[:1]), tok, 64)
+        ids, end = prompt_ids(tok, [{"role": "user", "content": COMPLETIONS[0]["prompt"]}])
+        first = int((recs["labels"][0] != -100).nonzero()[0])  # predicts the answer's first token
+        assert recs["tokens"][0, : first + 1].tolist() == ids and end == eot
