@@ -191,3 +191,27 @@ def job_tp(ctx, overrides: dict) -> list[str]:
 @pytest.mark.parametrize("tied", [False, True])
 def test_tp2_matches_single_device(tied):
     assert harness.run(2, job_tp, dict(tie_embeddings=tied)) == [[], []]
+
+
+def test_pipeline_units_split_equals_whole():
+    """Stage 0 holds the recipe's embedding unit (token embedding, ViT and projector) and the
+    first block; stage 1 the rest, fed hidden states and the M-RoPE positions; equal to one
+    model. The positions reach stage 1's blocks through the recipe's layer_args."""
+    config = ModelConfig(**TINY)
+    recipe = recipe_for(config)
+    model = build_model(config, seed=2)
+    tokens, images, _ = batch(config)
+    first, second = copy.deepcopy(model), copy.deepcopy(model)
+    units = recipe.pipeline
+    for name in units.head:
+        setattr(first, name, None)
+    del first.layers["1"]
+    setattr(second, units.embedding, None)
+    del second.layers["0"]
+    positions = mrope_positions(tokens, config)
+    hidden = first(tokens, images)
+    assert torch.equal(second(hidden, positions=positions), model(tokens, images))
+    cos, sin = units.layer_args(model, positions)
+    assert cos.shape == (2, tokens.shape[1], config.head_dim // 2)
+    with pytest.raises(ValueError, match="pass positions"):
+        second(hidden)
