@@ -48,8 +48,9 @@ class ModelConfig:
     """Architecture of a Llama-style decoder, dense or MoE. Validated on construction."""
 
     family: str = "llama"
-    """Model family: 'llama' (Llama / Mistral / Mixtral-style, dense or MoE) or 'qwen2'
-    (Llama with q/k/v biases)."""
+    """Model family: 'llama' (Llama / Mistral / Mixtral-style, dense or MoE), 'qwen2'
+    (Llama with q/k/v biases), 'vlm' (Qwen2-VL-style: ViT + merger + the qwen2 decoder, see the
+    vision fields)."""
     dim: int = 128
     """Model (residual stream) width."""
     n_layers: int = 2
