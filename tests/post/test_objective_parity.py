@@ -96,6 +96,7 @@ def assert_close(got: list, want: list, name: str, rel: float = 2e-5, norm_rel: 
             assert abs(a - b) <= tol, f"{name} step {step} column {i}: {a} vs one process {b}"
 
 
+MOE = [("model.preset", "tiny-moe"), ("model.n_kv_heads", "2")]
 LAYOUTS = [
     ("dp2-zero3", 2, [("parallel.zero", "3")]),
     ("dp3", 3, []),
@@ -105,13 +106,14 @@ LAYOUTS = [
     ("pp2-dp2-zero1", 4, [("parallel.pp", "2"), ("parallel.zero", "1")]),
     ("cp2", 2, [("parallel.cp", "2")]),
     ("cp2-ulysses-dp2", 4, [("parallel.cp", "2"), ("parallel.cp_impl", "ulysses")]),
+    ("moe-ep2", 2, MOE + [("parallel.ep", "2")]),
 ]
 
 
 @pytest.mark.parametrize("objective", ["sft", "dpo"])
 @pytest.mark.parametrize("name,ws,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_layout_equals_one_process(tmp_path_factory, data, objective, name, ws, extra):
-    want = reference(tmp_path_factory, data, objective)
+    want = reference(tmp_path_factory, data, objective, MOE if name.startswith("moe") else ())
     d = str(tmp_path_factory.mktemp(f"{objective}-{name}"))
     got = harness.run(
         ws, job_rows, d, [("train.objective", objective), ("data.path", data[objective])] + extra, STEPS
