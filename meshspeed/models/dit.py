@@ -172,7 +172,8 @@ class PatchEmbed(nn.Module):
                 f"image of {height}x{width} pixels; this dit takes {s * p}x{s * p} (ModelConfig.image_size)"
             )
         x = x.reshape(b, ch, s, p, s, p).permute(0, 2, 4, 1, 3, 5)  # [B, rows, cols, C, p, p]
-        return self.proj(x.reshape(b, s * s, ch * p * p)) + self.pos.to(x.dtype)
+        # to(): under sequence parallelism this module sits outside the tree, so .to() skips pos
+        return self.proj(x.reshape(b, s * s, ch * p * p)) + self.pos.to(device=x.device, dtype=x.dtype)
 
 
 class TimestepEmbedder(nn.Module):
