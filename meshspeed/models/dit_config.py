@@ -65,10 +65,10 @@ def dit_params(c) -> int:
     return total + c.n_layers * block + 2 * (d * d + d) + (d + 1) * out
 
 
-def dit_flops_per_sample(c, text_len: int = 0) -> int:
-    """Training FLOPs (forward + backward: 3 forward costs, 2 FLOPs per multiply-add) of one
-    sample: every Linear at its rows (image tokens, text tokens, or once per sample for the
-    conditioning path and the adaLN modulations) plus the attention score and value matmuls."""
+def dit_macs(c, text_len: int = 0) -> tuple[int, int]:
+    """Forward multiply-adds of one sample: (every Linear at its rows: image tokens, text tokens,
+    or once per sample for the conditioning path and the adaLN modulations; the attention score
+    and value matmuls, full attention: nothing skipped)."""
     d, f, n, L = c.dim, ffn_dim(c), n_tokens(c), c.n_layers
     t = text_len if c.text_dim else 0
     per_token = (
@@ -77,11 +77,17 @@ def dit_flops_per_sample(c, text_len: int = 0) -> int:
         + d * c.patch_size**2 * out_channels(c)
     )
     per_sample = FREQ_DIM * d + d * d + L * 6 * d * d + 2 * d * d
-    macs = n * per_token + per_sample
-    attn = 2 * L * d * n * n  # scores and values, full attention: nothing skipped
+    linear = n * per_token + per_sample
+    attn = 2 * L * d * n * n
     if t:
-        macs += L * (
+        linear += L * (
             n * 2 * d * d + t * 2 * c.text_dim * d
         )  # cross q, o per image token; k, v per text token
         attn += 2 * L * d * n * t
-    return 6 * (macs + attn)
+    return linear, attn
+
+
+def dit_flops_per_sample(c, text_len: int = 0) -> int:
+    """Training FLOPs of one sample: 3 forward costs (forward + backward) at 2 FLOPs per
+    multiply-add (DiT-XL/2: 6 x 118.6 G, the paper's forward count)."""
+    return 6 * sum(dit_macs(c, text_len))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .config import ModelConfig
-from .dit_config import dit_flops_per_sample, dit_params, n_tokens
+from .dit_config import dit_flops_per_sample, dit_macs, dit_params, n_tokens
 from .vlm_config import vision_flops_per_image, vision_params
 
 
@@ -40,6 +40,8 @@ def matmul_params(config: ModelConfig) -> int:
     """Active parameters that take part in a matmul per token: every linear layer, the output
     projection included (even when tied), but not the embedding lookup nor norm weights."""
     c = config
+    if c.family == "dit":  # per image token, the per-sample conditioning path spread over them
+        return dit_macs(c)[0] // n_tokens(c)
     layers = sum(_attention_params(c) + _ffn_params(c, i, active=True) for i in range(c.n_layers))
     return layers + c.vocab_size * c.dim
 
