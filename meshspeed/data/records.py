@@ -10,6 +10,9 @@ loader serves every objective and family.
 global batch is positions [t·G, (t+1)·G) of that endless stream: a pure function of (seed, t),
 the same for every dp/tp/pp/cp layout and micro-batch size, and after a resume.
 
+Every micro-batch also carries `sample_id` [micro]: each sample's position in the stream of all
+steps (step·G + its row), from which per-sample randomness is seeded.
+
 **Who gets what.** As for tokens (loader.py): dp rank r's a-th micro-batch holds global rows
 [(a·dp + r)·micro, (a·dp + r + 1)·micro).
 
@@ -69,11 +72,15 @@ class _RecordBatches:
 
     def batches(self, step: int) -> list[Batch]:
         """This dp rank's `accum_steps` micro-batches at `step`, in accumulation order."""
-        rows, m = self.rows(step), self.micro_batch_size
+        rows, m, g = self.rows(step), self.micro_batch_size, self.global_batch_size
         out = []
         for a in range(self.accum_steps):
             first = (a * self.dp_size + self.dp_rank) * m
-            out.append(take(self.records, rows[first : first + m]))
+            mb = take(self.records, rows[first : first + m])
+            # each sample's place in the stream of all steps: what per-sample randomness (noise,
+            # timesteps, label dropout) is seeded by, so it is the same in every layout
+            mb["sample_id"] = torch.arange(step * g + first, step * g + first + m)
+            out.append(mb)
         return out
 
 

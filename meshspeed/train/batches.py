@@ -10,6 +10,8 @@ same for every key and layout independent (data/loader.py, data/records.py).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from meshspeed.comm import ConfigError
@@ -59,10 +61,10 @@ def record_splits(cfg, tokenizer, objective: str) -> tuple[Batch, Batch]:
 
     t, path = cfg.train, cfg.data.path
     kind = "chat" if objective == "sft" else "pairs"
-    if not path:
-        from meshspeed.data.arith import builtin_records
-
-        return builtin_records(kind, tokenizer, t.seq_len, packing=cfg.data.packing)
+    if not path:  # the arithmetic task, built in
+        return builtin_arith(kind, tokenizer, t.seq_len, cfg.data.packing)
+    if os.path.isdir(path):  # one `meshspeed data prepare --kind arith` wrote
+        return arith_split(path, kind, tokenizer, t.seq_len, cfg.data.packing)
     if path.endswith((".jsonl", ".ndjson", ".json")):
         if kind == "chat":
             return chat.load_chat_split(path, tokenizer, t.seq_len, packing=cfg.data.packing)
@@ -75,6 +77,38 @@ def record_splits(cfg, tokenizer, objective: str) -> tuple[Batch, Batch]:
             f"length: prepare it with --kind {kind} --seq-len {t.seq_len}"
         )
     return f.train, f.val
+
+
+def builtin_arith(kind: str, tokenizer, seq_len: int, packing: bool) -> tuple[Batch, Batch]:
+    """The built-in arithmetic task (data/arith.py, seed 0): written into a private temporary
+    directory (each rank its own: no race on a shared cache), read, removed."""
+    import tempfile
+
+    from meshspeed.data.arith import write_arith
+
+    with tempfile.TemporaryDirectory(prefix="meshspeed-arith-") as tmp:
+        out = os.path.join(tmp, "arith")
+        write_arith(out, seed=0)
+        return arith_split(out, kind, tokenizer, seq_len, packing)
+
+
+def arith_split(directory: str, kind: str, tokenizer, seq_len: int, packing: bool) -> tuple[Batch, Batch]:
+    """(train, validation) records from a directory `meshspeed data prepare --kind arith` wrote:
+    its held-out questions are its .val files (never in .train)."""
+    from meshspeed.data import chat
+
+    prefix = "sft" if kind == "chat" else "pairs"
+    files = [os.path.join(directory, f"{prefix}.{split}.jsonl") for split in ("train", "val")]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ConfigError(
+            f"data.path={directory!r} is a directory without {os.path.basename(missing[0])}; give a "
+            "JSON-lines file, a prepared record file, or a directory `meshspeed data prepare --kind "
+            "arith --out DIR` wrote"
+        )
+    if kind == "chat":
+        return tuple(chat.load_chat(f, tokenizer, seq_len, packing=packing) for f in files)
+    return tuple(chat.load_pairs(f, tokenizer, seq_len) for f in files)
 
 
 def make_loaders(cfg, tokenizer, dp_rank: int, dp_size: int):

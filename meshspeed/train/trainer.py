@@ -221,6 +221,9 @@ class Trainer:
     def item(self, batch: dict):
         """(micro-batch ready for the model on this rank, forward(model) on its rows): the
         objective's rows, this rank's cp slice, host-side counts, moved to the device."""
+        if not self.objective.token_rows:  # images, timesteps, labels...: the objective runs them
+            item = to_device(self.objective.rows(batch), self.ctx.device)
+            return item, lambda model: self.objective.forward(model, item)
         rows, rope = prepare_rows(
             self.objective.rows(batch),
             cp=self.cp,
@@ -285,6 +288,7 @@ class Trainer:
         """This rank's micro-batches of `step`, prepared (_with_reference), with the objective's
         per-step state (SFT's global count) and the scorer's replica count set."""
         micro = loader.batches(step)
+        self.objective.training, self.objective.step = loader is self.loader, step
         if self.objective.uses_global_batch:
             self.objective.prepare(loader.global_batch(step))
         self.scorer.replicas = len(micro) * self.mesh["dp_cp" if self.cp is not None else "dp"].size

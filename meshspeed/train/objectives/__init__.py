@@ -67,6 +67,16 @@ class Objective:
     rows_per_record = 1  # rows the model runs per record (a preference pair: 2)
     needs_reference = False
     uses_global_batch = False  # prepare() reads the step's whole global batch
+    # token_rows: rows() gives token sequences (`tokens`, `labels`, [`doc_ids`]) that the
+    # trainer cuts for context parallelism and runs as model(tokens, ...). False: rows() gives
+    # whatever the family's model takes, moved to the device as they are, and forward() runs it.
+    token_rows = True
+    training = True  # set by the trainer: False during validation
+    step = 0  # set by the trainer: the optimizer step (or validation batch) being computed
+
+    def forward(self, model, item: Batch) -> torch.Tensor:
+        """token_rows=False: the model's output on the prepared micro-batch `item`."""
+        raise NotImplementedError
 
     def rows(self, batch: Batch) -> Batch:
         return {k: batch[k] for k in ("tokens", "labels", "doc_ids") if k in batch}
