@@ -77,7 +77,7 @@ def shape_captions(n: int, seed: int = 0, image_size: int = 32) -> tuple[np.ndar
         raise ValueError(f"image_size={image_size} is too small for two shapes; use 16 or more")
     rng = np.random.default_rng(seed)
     names, shapes = list(COLOURS), list(SHAPES)
-    size = max(5, int(image_size * 0.3))
+    size = max(5, int(image_size * 0.375))  # 12 px at 32: big enough that corners tell the shapes apart
     lo, hi = size // 2 + 1, image_size - size // 2 - 1  # centres keep the whole shape inside
     images = np.full((n, 3, image_size, image_size), -1.0, dtype=np.float32)
     captions = []
@@ -85,10 +85,12 @@ def shape_captions(n: int, seed: int = 0, image_size: int = 32) -> tuple[np.ndar
         colour = rng.integers(len(names), size=2)
         shape = rng.integers(len(shapes), size=2)
         relation = RELATIONS[rng.integers(len(RELATIONS))]
-        # the first object in the top (above) or left (left of) half, the second in the other
+        # The first object in the top (above) or left (left of) half, the second in the other,
+        # both near one column (above) or row (left of): otherwise "red square above blue
+        # circle" could also be "... left of ...", and no image would settle it.
         near = rng.integers(lo, image_size // 2 - size // 2 + 1, size=2)
         far = image_size - 1 - rng.integers(lo, image_size // 2 - size // 2 + 1, size=2)
-        across = rng.integers(lo, hi + 1, size=2)
+        across = np.clip(rng.integers(lo, hi + 1) + rng.integers(-2, 3, size=2), lo, hi)
         for k, along in enumerate((near[0], far[1])):
             cy, cx = (along, across[k]) if relation == "above" else (across[k], along)
             m = _mask(shapes[shape[k]], size, image_size, cy, cx)
