@@ -238,6 +238,10 @@ class DiT(nn.Module):
             c = c + self.y_embedder(y)
         return c
 
+    def aux_loss(self) -> torch.Tensor:
+        """Zero: the family has no auxiliary loss (the trainer adds it unconditionally)."""
+        return torch.zeros((), device=self.t_embedder.linear_1.weight.device)
+
     def init_pos(self) -> None:
         if self.x_embedder is not None:
             self.x_embedder.init_pos()

@@ -37,6 +37,7 @@ from meshspeed.plan import config as config_mod
 from meshspeed.plan.device import plan_device
 from meshspeed.plan.estimate import estimate_memory
 from meshspeed.plan.experts import apply_expert_parallel, check_experts, with_moe_settings
+from meshspeed.plan.flow import check_flow, check_image_data
 
 
 @dataclass
@@ -181,6 +182,8 @@ def _check_data(cfg, config: ModelConfig, need: bool = True) -> str | None:
     from meshspeed.data.loader import check_token_data
     from meshspeed.data.tokenizer import check_vocab, load_tokenizer
 
+    if cfg.train.objective == "flow":  # images, not tokens: no tokenizer or token file to check
+        return check_image_data(cfg, need)
     d = cfg.data
     if not need:
         missing = [
@@ -308,6 +311,7 @@ def make_plan(
     device = plan_device(cfg, world_size, local_gpus, local_ranks)
     config, recipe, weights = _model(cfg)
     config = with_moe_settings(cfg, config)
+    check_flow(cfg, config)  # dit with objective flow, and what dit runs with so far
     _check_model(cfg, config, recipe)
     layouts, sim = check_pipeline(cfg, recipe, microbatches)
     data_note = _check_data(cfg, config, need_data)

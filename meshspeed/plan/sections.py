@@ -149,8 +149,9 @@ class TrainSection:
         "what the step minimises: lm (next-token loss on every token: pretraining), sft (next-token "
         "loss on the assistant turns of conversations, per token over the global batch), dpo "
         "(direct preference optimisation on chosen/rejected pairs against the frozen starting "
-        "weights; --dpo.*); see docs/post-training.md",
-        ("lm", "sft", "dpo"),
+        "weights; --dpo.*), flow (rectified flow on images: family dit; --flow.*); see "
+        "docs/post-training.md and docs/diffusion.md",
+        ("lm", "sft", "dpo", "flow"),
     )
     peak_tflops: float = opt(
         0.0,
@@ -380,12 +381,13 @@ class DpoSection:
     beta: float = opt(0.1, "strength of the KL anchor to the reference: the rewards are beta × log-ratio")
     loss: str = opt(
         "sigmoid",
-        "sigmoid (the DPO paper), ipo (squared distance of the margin from 1/(2 beta)), or hinge "
-        "(max(0, 1 - beta × margin), SLiC)",
-        ("sigmoid", "ipo", "hinge"),
+        "sigmoid (the DPO paper), ipo (squared distance of the per-token margin from 1/(2 beta)), "
+        "hinge (max(0, 1 - beta × margin), SLiC), or robust (sigmoid corrected for dpo.label_smoothing "
+        "flipped labels, rDPO); each as TRL 1.x computes it",
+        ("sigmoid", "ipo", "hinge", "robust"),
     )
     label_smoothing: float = opt(
-        0.0, "sigmoid only: assumed fraction of flipped labels (conservative DPO), 0..0.5"
+        0.0, "dpo.loss=robust: the assumed fraction of flipped preference labels, 0 ≤ it < 0.5"
     )
     sft_weight: float = opt(0.0, "weight of an SFT term: the chosen answers' per-token NLL (TRL's rpo_alpha)")
     precompute_reference: bool = opt(
@@ -393,6 +395,26 @@ class DpoSection:
         "compute the reference log-probabilities of every pair once before training (in the run's "
         "layout) and free the reference model, instead of a forward of it every step",
     )
+
+
+@dataclass
+class FlowSection:
+    """Rectified flow (train.objective=flow, family dit): docs/diffusion.md."""
+
+    t_sampling: str = opt(
+        "logit_normal", "how t is drawn per sample (SD3: logit_normal)", ("uniform", "logit_normal")
+    )
+    t_mean: float = opt(0.0, "logit_normal: mean of the normal before the sigmoid")
+    t_std: float = opt(1.0, "logit_normal: its standard deviation (> 0)")
+    label_dropout: float = opt(
+        0.1, "probability a label is dropped to the null class (classifier-free guidance)"
+    )
+    ema_decay: float = opt(
+        0.0, "EMA of the weights after each step (e.g. 0.999; 0 = off), saved, used by sample"
+    )
+    sample_n: int = opt(10, "end of run: images per class sampled and scored beside loss.png (0 = none)")
+    sample_steps: int = opt(32, "end of run: Euler steps from noise to image")
+    sample_guidance: float = opt(2.0, "end of run: classifier-free guidance scale (1 = none)")
 
 
 @dataclass
@@ -407,6 +429,7 @@ class Config:
     memory: MemorySection = field(default_factory=MemorySection)
     moe: MoeSection = field(default_factory=MoeSection)
     dpo: DpoSection = field(default_factory=DpoSection)
+    flow: FlowSection = field(default_factory=FlowSection)
     nproc: int = opt(4, "local worker processes to spawn when not launched by torchrun")
 
     def to_dict(self) -> dict:

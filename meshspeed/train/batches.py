@@ -124,7 +124,12 @@ def make_loaders(cfg, tokenizer, dp_rank: int, dp_size: int):
                 ValidationLoader(val, *args, dp_rank=dp_rank, dp_size=dp_size, max_batches=t.eval_batches)
             ),
         )
-    train, val = record_splits(cfg, tokenizer, t.objective)
+    if t.objective == "flow":  # images + labels (data/images.py); "digits" is built in
+        from meshspeed.data.images import load_image_records
+
+        train, val = load_image_records(d.path or "digits")
+    else:
+        train, val = record_splits(cfg, tokenizer, t.objective)
     args = (t.global_batch_size, t.micro_batch_size, dp_rank, dp_size)
     return RecordLoader(train, *args, seed=t.seed), RecordValidation(val, *args, max_batches=t.eval_batches)
 

@@ -86,7 +86,7 @@ class Trainer:
         def experts(model):  # ep > 1: this rank's block of experts, cut on meta (born sharded)
             apply_expert_parallel(model, self.mesh, cfg)
 
-        self.objective = make_objective(cfg)
+        self.objective = make_objective(cfg, self.model_config)
         self.pipeline = None
         if p.pp > 1:
             self.pipeline = TrainerPipeline(
@@ -346,12 +346,13 @@ class Trainer:
             update_routing_bias(self.model, self.mesh["dp_cp"], apply=finite)
         self.opt.zero_grad()
         elapsed = time.perf_counter() - t0
+        tokens = self.objective.tokens_per_row or t.seq_len  # per row: dit's are image tokens
         row = {
             "step": step,
             "loss": mean_loss,
             "lr": lr,
             "grad_norm": norm,
-            "tokens_per_s": t.global_batch_size * self.objective.rows_per_record * t.seq_len / elapsed,
+            "tokens_per_s": t.global_batch_size * self.objective.rows_per_record * tokens / elapsed,
             **extra,
             **sparse,
         }

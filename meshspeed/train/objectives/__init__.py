@@ -28,7 +28,7 @@ import torch
 from meshspeed import comm
 
 Batch = dict[str, torch.Tensor]
-OBJECTIVES = ("lm", "sft", "dpo")
+OBJECTIVES = ("lm", "sft", "dpo", "flow")
 
 
 class _CpSum(torch.autograd.Function):
@@ -71,6 +71,7 @@ class Objective:
     # trainer cuts for context parallelism and runs as model(tokens, ...). False: rows() gives
     # whatever the family's model takes, moved to the device as they are, and forward() runs it.
     token_rows = True
+    tokens_per_row: int | None = None  # tokens/s counts this many per row (None: train.seq_len)
     training = True  # set by the trainer: False during validation
     step = 0  # set by the trainer: the optimizer step (or validation batch) being computed
 
@@ -90,8 +91,9 @@ class Objective:
         raise NotImplementedError
 
 
-def make_objective(cfg) -> Objective:
-    """The objective `train.objective` names, with its settings."""
+def make_objective(cfg, model_config=None) -> Objective:
+    """The objective `train.objective` names, with its settings (flow reads the model's
+    classes and image tokens from `model_config`)."""
     from meshspeed.train.objectives.dpo import DPO
     from meshspeed.train.objectives.lm import LM, SFT
 
@@ -103,4 +105,8 @@ def make_objective(cfg) -> Objective:
     if name == "dpo":
         d = cfg.dpo
         return DPO(beta=d.beta, loss_type=d.loss, label_smoothing=d.label_smoothing, sft_weight=d.sft_weight)
+    if name == "flow":
+        from meshspeed.train.objectives.flow import make_flow
+
+        return make_flow(cfg, model_config)
     raise comm.ConfigError(f"train.objective={name!r} is not one of {', '.join(OBJECTIVES)}")
