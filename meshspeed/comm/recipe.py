@@ -22,6 +22,11 @@ its blocks take). The fields:
     aux_loss(modules)       the family's auxiliary loss over some of its modules (MoE), or None
     causal                  whether its self-attention is causal (decoders) or full (DiT's image
                             tokens): context parallelism may skip blocks only when causal
+    cp_tokens               (entry FQN, exit FQN) for a family whose input is not a token
+                            sequence (an image): context parallelism cuts the entry's output
+                            [B, N, ...] to each rank's tokens and gathers the exit's output
+                            whole; what else the blocks take (conditioning, text) stays whole.
+                            Empty: the trainer feeds each cp rank its slice of the tokens.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class Recipe:
     finish: Callable[[nn.Module], None] = lambda model: None
     aux_loss: Callable[[Iterable[nn.Module]], torch.Tensor | None] = _no_aux
     causal: bool = True
+    cp_tokens: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [

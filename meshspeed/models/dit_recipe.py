@@ -20,7 +20,8 @@ styles cannot say, added here from comm's differentiable pairs (parallel/ never 
                     every rank) through copy_to even under SP.
 
 The timestep and class embedders stay replicated: their gradients arrive whole through the
-modulations' copy_to. Full (non-causal) attention is recipe data: `causal=False`.
+modulations' copy_to. Full (non-causal) attention is recipe data: `causal=False`, and so is
+where context parallelism cuts and rejoins the image tokens: `cp_tokens`.
 """
 
 from __future__ import annotations
@@ -218,4 +219,7 @@ def recipe(config: ModelConfig) -> Recipe:
         hidden_size=config.dim,
         finish=lambda model: model.init_pos(),
         causal=False,
+        # context parallelism splits the patch tokens after their positions are added and
+        # gathers them before unpatchify; c and the text tokens stay whole on every cp rank
+        cp_tokens=("x_embedder", "final_layer"),
     )

@@ -14,13 +14,17 @@ kv_heads, hd] -> [batch, seq/cp, heads, hd]), swapped into the model's `Attentio
 Masks are computed from global token positions, so any sequence layout works. Ring and hybrid
 use the zigzag layout (cp rank i holds chunks i and 2·cp−1−i of 2·cp): every rank then has the
 same causal work. Packed sequences pass document ids; attention stays inside a document.
+
+Full (non-causal) attention — a family whose recipe says `causal=False`, DiT's image tokens —
+visits every block of the ring (nothing to skip, so no zigzag: contiguous slices are balanced).
+A family whose input is not a token sequence names `cp_tokens` (entry, exit) in its recipe: the
+entry's output is cut to this rank's tokens and the exit's gathered whole (apply_context_parallel).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import itertools
-import math
 import weakref
 
 import torch
@@ -30,20 +34,24 @@ from torch import nn
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.group import Group
 from meshspeed.comm.mesh import Mesh
+from meshspeed.comm.recipe import get_optional
 
-from .context_comm import RingStats, RingStep, gather_ints, heads_to_seq, seq_to_heads
-from .ring_blocks import CAUSAL, block_bwd, block_fwd, merge
+from .context_comm import RingStats, gather_ints, gather_tokens, heads_to_seq, seq_to_heads
+from .ring_blocks import CAUSAL, ring_backward, ring_forward
 
 IMPLS = ("ulysses", "ring", "hybrid")
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def default_layout(impl: str) -> str:
-    """Ulysses attends over the whole sequence, so a plain split is balanced; the ring needs zigzag."""
-    return "contiguous" if impl == "ulysses" else "zigzag"
+def default_layout(impl: str, causal: bool = True) -> str:
+    """Ulysses attends over the whole sequence, and full attention gives every ring block the
+    same work, so a plain split is balanced; the causal ring needs zigzag."""
+    return "contiguous" if impl == "ulysses" or not causal else "zigzag"
 
 
-def check_cp(impl: str, cp: int, n_heads: int, seq_len: int, cp_ulysses: int = 1) -> None:
+def check_cp(
+    impl: str, cp: int, n_heads: int, seq_len: int, cp_ulysses: int = 1, causal: bool = True
+) -> None:
     """Every layout error as one line, before any worker starts."""
     if impl not in IMPLS:
         raise ConfigError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLS)}")
@@ -56,7 +64,7 @@ def check_cp(impl: str, cp: int, n_heads: int, seq_len: int, cp_ulysses: int = 1
             f"parallel.cp_impl={impl} splits {n_heads} attention heads over {ulysses} ranks, which does "
             f"not divide; use cp_impl=ring or a Ulysses degree dividing {n_heads}"
         )
-    unit = cp if default_layout(impl) == "contiguous" else 2 * cp
+    unit = cp if default_layout(impl, causal) == "contiguous" else 2 * cp
     if seq_len % unit:
         raise ConfigError(
             f"sequence length {seq_len} must be a multiple of {unit} for parallel.cp={cp} cp_impl={impl}"
@@ -106,10 +114,14 @@ def _runs(pos: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(cut[:-1], cut[1:]))
 
 
-def _work(pos_q: torch.Tensor, pos_k: torch.Tensor, docs_q, docs_k) -> list:
+def _work(pos_q: torch.Tensor, pos_k: torch.Tensor, docs_q, docs_k, causal: bool = True) -> list:
     """Blocks of one (query rank, key rank) pair: (q start, q end, key slice, mask), one per
     (query run, key run). Pairs entirely above the diagonal are skipped; under zigzag the rest
-    are fully visible (mask None) or the same chunk (CAUSAL), both the fused kernel's cases."""
+    are fully visible (mask None) or the same chunk (CAUSAL), both the fused kernel's cases.
+    Full attention: one block, every key visible (only documents, if packed, still separate)."""
+    if not causal:
+        same = None if docs_q is None else (docs_q[:, :, None] == docs_k[:, None, :])[:, None, None]
+        return [(0, len(pos_q), slice(0, len(pos_k)), same)]
     items = []
     k_runs = _runs(pos_k)
     for a, b in _runs(pos_q):
@@ -128,74 +140,19 @@ def _work(pos_q: torch.Tensor, pos_k: torch.Tensor, docs_q, docs_k) -> list:
     return items
 
 
-def _ring_forward(q, k, v, group: Group, works: list, stats: RingStats | None):
-    """Ring attention of q [b, g, r, sq, hd] over k/v [b, g, sk, hd] float32 (works[j]: blocks
-    against ring member j). Returns the output and its log-sum-exp [b, g, r, sq]."""
-    p, me = group.size, group.rank
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-    kv = torch.stack([k, v])  # [2, b, g, sk, hd]: one message per step
-    for t in range(p):
-        step = RingStep(kv, group, 1, stats) if t < p - 1 else None  # in flight during compute
-        for a, b, kidx, mask in works[(me - t) % p]:
-            o_blk, lse_blk = block_fwd(q[..., a:b, :], kv[0][:, :, kidx], kv[1][:, :, kidx], scale, mask)
-            merge(out, lse, a, b, o_blk, lse_blk)
-        if step is not None:
-            kv = step.wait()
-    return out, lse
-
-
-def _ring_backward(dout, q, k, v, out, lse, group: Group, works: list, stats: RingStats | None):
-    """dq, dk, dv of _ring_forward: dK/dV travel the ring with their block."""
-    p, me = group.size, group.rank
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    dout = dout.contiguous()
-    delta = (dout * out).sum(-1)
-    dq = torch.zeros_like(q)
-    kv = torch.stack([k, v])
-    incoming = None  # the dK/dV accumulated so far for the block we hold, from the previous rank
-    for t in range(p):
-        step = RingStep(kv, group, 1, stats) if t < p - 1 else None
-        dkv = torch.zeros_like(kv)
-        for a, b, kidx, mask in works[(me - t) % p]:
-            dq_b, dk_b, dv_b = block_bwd(
-                q[..., a:b, :],
-                kv[0][:, :, kidx],
-                kv[1][:, :, kidx],
-                dout[..., a:b, :],
-                out[..., a:b, :],
-                delta[..., a:b],
-                lse[..., a:b],
-                scale,
-                mask,
-            )
-            dq[..., a:b, :] += dq_b
-            dkv[0][:, :, kidx] += dk_b
-            dkv[1][:, :, kidx] += dv_b
-        if incoming is not None:
-            dkv += incoming.wait()
-        # The block moves on to the next rank, and after p shifts its gradient is home.
-        incoming = RingStep(dkv, group, 2, stats) if p > 1 else None
-        if step is not None:
-            kv = step.wait()
-    dkv = incoming.wait() if incoming is not None else dkv
-    return dq, dkv[0], dkv[1]
-
-
 class _RingAttention(torch.autograd.Function):
     """q [b, g, r, sq, hd], k/v [b, g, sk, hd] float32; works[j]: blocks against ring member j."""
 
     @staticmethod
     def forward(ctx, q, k, v, group: Group, works: list, stats: RingStats | None):
-        out, lse = _ring_forward(q, k, v, group, works, stats)
+        out, lse = ring_forward(q, k, v, group, works, stats)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.works, ctx.stats = group, works, stats
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = _ring_backward(dout, *ctx.saved_tensors, ctx.group, ctx.works, ctx.stats)
+        dq, dk, dv = ring_backward(dout, *ctx.saved_tensors, ctx.group, ctx.works, ctx.stats)
         return dq, dk, dv, None, None, None
 
 
@@ -211,7 +168,7 @@ def ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cp = _CORES[core]
-    return _ring_forward(q, k, v, cp.ring, cp.works(q.shape[3]), cp.stats)
+    return ring_forward(q, k, v, cp.ring, cp.works(q.shape[3]), cp.stats)
 
 
 @ring_attention_op.register_fake
@@ -230,7 +187,7 @@ def ring_attention_backward_op(
     core: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cp = _CORES[core]
-    dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, cp.ring, cp.works(q.shape[3]), cp.stats)
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cp.ring, cp.works(q.shape[3]), cp.stats)
     return dq, dk, dv.clone()  # an operator's outputs may not share storage (dk, dv: one [2, ...])
 
 
@@ -261,13 +218,16 @@ class ContextParallel:
 
     ms_traceable = True  # compiles whole: traceable all-to-alls, the ring as custom operators
 
-    def __init__(self, impl: str, cp: Group, ulysses: Group, ring: Group, layout: str | None = None):
+    def __init__(
+        self, impl: str, cp: Group, ulysses: Group, ring: Group, layout: str | None = None, causal=True
+    ):
         if ulysses.size * ring.size != cp.size:
             raise ConfigError(
                 f"Ulysses degree {ulysses.size} × ring degree {ring.size} must equal cp={cp.size}"
             )
         self.impl, self.cp, self.ulysses, self.ring = impl, cp, ulysses, ring
-        self.layout = layout or default_layout(impl)
+        self.causal = causal  # the family's recipe.causal: whether blocks above the diagonal skip
+        self.layout = layout or default_layout(impl, causal)
         self.stats = RingStats()
         self._cache: dict = {}
         self.key = next(_KEYS)  # names this core to the compiled ring operators
@@ -310,10 +270,19 @@ class ContextParallel:
         if self.ring.size == 1:
             # after the all-to-all, a contiguous layout's tokens are in position order
             ordered = self.layout == "contiguous"
-            out = _local_attention(q, k, v, pos[0], None if docs is None else docs[:, pos[0]], ordered)
+            docs0 = None if docs is None else docs[:, pos[0]]
+            out = _local_attention(q, k, v, pos[0], docs0, ordered, self.causal)
         else:
             out = self._ring_attention(q, k, v, pos, docs)
         return heads_to_seq(out, self.ulysses) if u > 1 else out
+
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens [B, N/cp, ...] -> every token [B, N, ...] in position order."""
+        full = gather_tokens(x, self.cp)  # [B, N, ...], member by member
+        if self.layout == "contiguous":
+            return full
+        order = torch.cat([self.positions(full.shape[1], c) for c in range(self.cp.size)]).argsort()
+        return full.index_select(1, order.to(full.device))
 
     def works(self, sq: int, pos: list[torch.Tensor] | None = None, docs=None) -> list:
         """The ring's block plan for sq query rows per member; it depends only on the layout
@@ -323,7 +292,7 @@ class ContextParallel:
             pos = self._ring_positions(sq * self.ring.size) if pos is None else pos
             me = self.ring.rank
             pick = (lambda j: None) if docs is None else (lambda j: docs[:, pos[j]])  # noqa: E731
-            works = [_work(pos[me], pos[j], pick(me), pick(j)) for j in range(len(pos))]
+            works = [_work(pos[me], pos[j], pick(me), pick(j), self.causal) for j in range(len(pos))]
             if docs is None:
                 self._cache[sq] = works
         return works
@@ -340,10 +309,15 @@ class ContextParallel:
         return out.permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).to(q.dtype)
 
 
-def _local_attention(q, k, v, pos: torch.Tensor, docs, ordered: bool | None = None) -> torch.Tensor:
+def _local_attention(
+    q, k, v, pos: torch.Tensor, docs, ordered: bool | None = None, causal: bool = True
+) -> torch.Tensor:
     """Full-sequence attention after the Ulysses all-to-all; tokens come in layout order, so they
     are put in position order first and SDPA's causal path (or a document mask) applies.
-    ordered: whether pos increases (found from pos when None: a host sync)."""
+    ordered: whether pos increases (found from pos when None: a host sync). Full attention
+    needs no order: each query row sees every key, whatever their order."""
+    if not causal:
+        ordered = True
     if ordered is None:
         ordered = bool((pos[1:] > pos[:-1]).all())
     if not ordered:
@@ -354,39 +328,47 @@ def _local_attention(q, k, v, pos: torch.Tensor, docs, ordered: bool | None = No
     mask = None
     if docs is not None:
         n = docs.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=docs.device).tril()
-        mask = (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]  # [b, 1, seq, seq]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
-    ).transpose(1, 2)
+        mask = (docs[:, :, None] == docs[:, None, :])[:, None]  # [b, 1, seq, seq]
+        if causal:
+            mask = mask & torch.ones(n, n, dtype=torch.bool, device=docs.device).tril()
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+    out = out.transpose(1, 2)
     if not ordered:
         out = out.index_select(1, order.argsort())
     return out
 
 
 def context_parallel(
-    mesh: Mesh, impl: str, cp_ulysses: int = 1, layout: str | None = None
+    mesh: Mesh, impl: str, cp_ulysses: int = 1, layout: str | None = None, causal: bool = True
 ) -> ContextParallel:
-    """The core for this rank of `mesh` (collective over the world for hybrid: it makes groups)."""
+    """The core for this rank of `mesh` (collective over the world for hybrid: it makes groups).
+    causal: the family's recipe.causal (full attention visits every ring block)."""
     cp = mesh["cp"]
     if impl not in IMPLS:
         raise ConfigError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLS)}")
     single = mesh.ctx.single("cp_single")
     if impl == "ulysses":
-        return ContextParallel(impl, cp, cp, single, layout)
+        return ContextParallel(impl, cp, cp, single, layout, causal)
     if impl == "ring":
-        return ContextParallel(impl, cp, single, cp, layout)
+        return ContextParallel(impl, cp, single, cp, layout, causal)
     u = cp_ulysses
     if u < 1 or cp.size % u:
         raise ConfigError(f"parallel.cp_ulysses={u} must divide parallel.cp={cp.size}")
     parts = mesh.dims.partitions()["cp"]
     inner = mesh.ctx.split([p[j * u : (j + 1) * u] for p in parts for j in range(len(p) // u)], "cp_ulysses")
     outer = mesh.ctx.split([p[i::u] for p in parts for i in range(u)], "cp_ring")
-    return ContextParallel(impl, cp, inner, outer, layout)
+    return ContextParallel(impl, cp, inner, outer, layout, causal)
 
 
-def apply_context_parallel(model: nn.Module, core, pattern: str = "*attention") -> int:
-    """Swap `core` into every module matching `pattern` that has an attention core; returns how many."""
+def apply_context_parallel(
+    model: nn.Module, core, pattern: str = "*attention", tokens: tuple[str, ...] = ()
+) -> int:
+    """Swap `core` into every module matching `pattern` that has an attention core; returns how many.
+    tokens: the recipe's cp_tokens (entry, exit) for a family whose input is not a token sequence
+    (split_tokens); empty where the trainer feeds each rank its slice of the tokens."""
+    if tokens:
+        split_tokens(model, core, *tokens)
     n = 0
     for name, mod in model.named_modules():
         if hasattr(mod, "core") and fnmatch.fnmatch(name, pattern):
@@ -395,3 +377,33 @@ def apply_context_parallel(model: nn.Module, core, pattern: str = "*attention") 
     if n == 0:
         raise ConfigError(f"context parallelism found no attention core matching {pattern!r} in the model")
     return n
+
+
+def split_tokens(model: nn.Module, core: ContextParallel, entry: str, exit: str) -> None:
+    """This rank's tokens [B, N/cp, ...] (core.positions' rows) are cut from the output of the
+    module `entry` [B, N, ...] (an image's patch embedding, fixed positions already added, so
+    each token keeps its own), and the output of `exit` [B, N/cp, ...] is gathered whole for what
+    follows (unpatchify, the loss). What the blocks take besides (conditioning, text tokens) is
+    never cut: it is whole on every rank. A pipeline stage without either module skips it.
+
+    Forward hooks, so FQNs and checkpoints are unchanged. A tensor-parallel wrapper keeps the
+    module it wraps as `inner` and splits its output over tp (sequence parallelism): the cp cut
+    goes on the wrapped module, before the tp split, so tokens are cut cp-major as the gather
+    (tp inside `exit`, then cp here) puts them back."""
+    first = get_optional(model, entry)
+    while first is not None and hasattr(first, "inner"):
+        first = first.inner
+    if first is not None:
+
+        def cut(module, args, h):
+            if h.shape[1] % core.cp.size:
+                raise ConfigError(
+                    f"context parallelism over {h.shape[1]} tokens needs parallel.cp={core.cp.size} "
+                    "to divide them; choose cp among the divisors"
+                )
+            return shard_sequence(h, core.positions(h.shape[1]))
+
+        first.register_forward_hook(cut)
+    last = get_optional(model, exit)
+    if last is not None:
+        last.register_forward_hook(lambda module, args, out: core.gather_tokens(out))

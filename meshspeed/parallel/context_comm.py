@@ -47,6 +47,28 @@ def gather_ints(x: torch.Tensor, group: Group) -> torch.Tensor:
     return comm.all_gather(x.contiguous()[None], group, dim=0)
 
 
+class _GatherTokens(torch.autograd.Function):
+    """[B, n, ...] -> [B, P·n, ...], member order. Every member then computes the same loss on
+    the whole output and the gradient reduction averages over the cp ranks (dp_cp, as for every
+    family), so the backward keeps this member's rows times P: the average of the members'
+    partial gradients is then the whole one (train/objectives' _CpSum does the same for sums)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x.contiguous(), group, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        p, n = ctx.group.size, g.shape[1] // ctx.group.size
+        return g.narrow(1, ctx.group.rank * n, n) * p, None
+
+
+def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every member's tokens [B, n, ...] -> [B, P·n, ...] (see _GatherTokens for the gradient)."""
+    return x if group.size == 1 else _GatherTokens.apply(x, group)
+
+
 @dataclass
 class RingStats:
     """Seconds blocked on ring transfers (forward + backward), how many shifts, bytes sent."""

@@ -1,5 +1,7 @@
-"""One block of ring attention: a query chunk against a key/value chunk, forward and backward,
-and the online-softmax merge of blocks (split out of context.py, which runs the ring).
+"""Ring attention's arithmetic (split out of context.py, which plans the blocks and holds the
+cores): one block — a query chunk against a key/value chunk, forward and backward — the
+online-softmax merge of blocks, and the ring loops that pass key/value blocks (and, backward,
+their gradients) around the ring while each rank computes its blocks.
 
 A block's mask is None (fully visible), CAUSAL (query and key chunk hold the same positions) or
 a boolean mask (packed documents). The first two run the fused flash kernel on the CPU; every
@@ -8,7 +10,13 @@ other case — and every device but the CPU — runs the explicit-mask path (`fu
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from meshspeed.comm.group import Group
+
+from .context_comm import RingStats, RingStep
 
 CAUSAL = "causal"  # a block mask: query and key chunk hold the same positions (lower triangle)
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -90,3 +98,58 @@ def merge(out, lse, a, b, o_blk, lse_blk) -> None:
         out[..., a:b, :] * (old - safe).exp()[..., None] + o_blk * (lse_blk - safe).exp()[..., None]
     )
     lse[..., a:b] = new
+
+
+def ring_forward(q, k, v, group: Group, works: list, stats: RingStats | None):
+    """Ring attention of q [b, g, r, sq, hd] over k/v [b, g, sk, hd] float32 (works[j]: blocks
+    against ring member j). Returns the output and its log-sum-exp [b, g, r, sq]."""
+    p, me = group.size, group.rank
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    kv = torch.stack([k, v])  # [2, b, g, sk, hd]: one message per step
+    for t in range(p):
+        step = RingStep(kv, group, 1, stats) if t < p - 1 else None  # in flight during compute
+        for a, b, kidx, mask in works[(me - t) % p]:
+            o_blk, lse_blk = block_fwd(q[..., a:b, :], kv[0][:, :, kidx], kv[1][:, :, kidx], scale, mask)
+            merge(out, lse, a, b, o_blk, lse_blk)
+        if step is not None:
+            kv = step.wait()
+    return out, lse
+
+
+def ring_backward(dout, q, k, v, out, lse, group: Group, works: list, stats: RingStats | None):
+    """dq, dk, dv of ring_forward: dK/dV travel the ring with their block."""
+    p, me = group.size, group.rank
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dout = dout.contiguous()
+    delta = (dout * out).sum(-1)
+    dq = torch.zeros_like(q)
+    kv = torch.stack([k, v])
+    incoming = None  # the dK/dV accumulated so far for the block we hold, from the previous rank
+    for t in range(p):
+        step = RingStep(kv, group, 1, stats) if t < p - 1 else None
+        dkv = torch.zeros_like(kv)
+        for a, b, kidx, mask in works[(me - t) % p]:
+            dq_b, dk_b, dv_b = block_bwd(
+                q[..., a:b, :],
+                kv[0][:, :, kidx],
+                kv[1][:, :, kidx],
+                dout[..., a:b, :],
+                out[..., a:b, :],
+                delta[..., a:b],
+                lse[..., a:b],
+                scale,
+                mask,
+            )
+            dq[..., a:b, :] += dq_b
+            dkv[0][:, :, kidx] += dk_b
+            dkv[1][:, :, kidx] += dv_b
+        if incoming is not None:
+            dkv += incoming.wait()
+        # The block moves on to the next rank, and after p shifts its gradient is home.
+        incoming = RingStep(dkv, group, 2, stats) if p > 1 else None
+        if step is not None:
+            kv = step.wait()
+    dkv = incoming.wait() if incoming is not None else dkv
+    return dq, dkv[0], dkv[1]

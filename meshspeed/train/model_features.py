@@ -172,7 +172,7 @@ def apply_model_features(model: nn.Module, cfg, mesh, recipe, device, cp=None) -
         feats.compiled = compile_blocks(model, recipe, fullgraph=whole, backend=compile_backend())
         feats.loss = torch.compile(recipe.loss, fullgraph=True, backend=compile_backend())
     if cp is not None:
-        apply_context_parallel(model, cp)
+        apply_context_parallel(model, cp, tokens=recipe.cp_tokens)
     # after the cp core is in: selective recompute wraps whichever attention core runs
     apply_recompute(model, m.recompute, m.recompute_layers or None, recipe.pipeline.layers)
     if m.swap_activations:  # the attention cores' saved tensors to host memory (memory/swap.py)
