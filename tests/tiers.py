@@ -474,6 +474,15 @@ _ENTRIES: list[tuple[str, str]] = [
         "test_trainer_schedules.py::test_dualpipev_trains_like_one_process[pp2-ep2] (the same layout "
         "in-process)",
     ),
+    # --- issue 42: the Trainer against TRL over 20 steps (TRL's trainers ~20 s each on 2 cores)
+    (
+        "tests/post/test_trainer_vs_trl.py::test_dpo_trainer_equals_trl_20_steps",
+        "test_trainer_vs_trl.py::test_dpo_trainer_equals_trl_3_steps (the same comparison, 3 steps)",
+    ),
+    (
+        "tests/post/test_trainer_vs_trl.py::test_sft_trainer_equals_trl_20_steps",
+        "test_trainer_vs_trl.py::test_sft_trainer_equals_trl_3_steps (the same comparison, 3 steps)",
+    ),
     # --- issue 41: `meshspeed sample --nproc 2/3` launches workers that import torch (10-16 s)
     (
         "tests/infer/test_cli_sample.py::test_nproc_writes_the_same_pngs",
