@@ -290,8 +290,11 @@ def _check_objective(cfg: Config) -> None:
         raise ConfigError(f"dpo.beta={d.beta} must be > 0 (0.1 is the DPO paper's)")
     if not 0 <= d.label_smoothing < 0.5:
         raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5)")
-    if d.label_smoothing and d.loss != "sigmoid":
-        raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid, not {d.loss!r}; set it to 0")
+    if d.label_smoothing and d.loss != "robust":  # TRL 1.x: the other losses ignore it
+        raise ConfigError(
+            f"dpo.label_smoothing={d.label_smoothing} acts only with dpo.loss=robust (not {d.loss!r}); "
+            "set dpo.loss=robust or dpo.label_smoothing=0"
+        )
     if d.sft_weight < 0:
         raise ConfigError(f"dpo.sft_weight={d.sft_weight} must be ≥ 0")
     if t.objective != "lm" and cfg.data.format != "text":

@@ -69,6 +69,15 @@ EXTRA = {
     "moe.capacity_factor": ["1.0"],
     "train.peak_tflops": ["100"],
     "run.timeout": ["60"],
+    "dpo.beta": ["0.5"],
+    "dpo.label_smoothing": ["0.1"],
+    "dpo.sft_weight": ["0.5"],
+    "flow.t_mean": ["0.5"],
+    "flow.t_std": ["0.5"],
+    "flow.label_dropout": ["0.5"],
+    "flow.ema_decay": ["0.9"],
+    "flow.sample_n": ["1"],
+    "flow.sample_guidance": ["1.0"],
 }
 
 SKIP = {
@@ -98,6 +107,7 @@ SKIP = {
     "sparsity.drop_fraction": "a rate of method rigl/set, walked with them",
     "sparsity.sr_ste_lambda": "the decay of method sr-ste, walked with it",
     "memory.loss_chunk": "a size of memory.chunked_loss, walked with it",
+    "flow.sample_steps": "a size of the end-of-run sampling, walked with flow.sample_n",
     "moe.bias_update_rate": "a rate of moe.balance=bias, walked with it",
     "moe.aux_loss_coef": "a weight (< 0 = the preset's)",
     "moe.z_loss_coef": "a weight (< 0 = the preset's)",
@@ -131,6 +141,14 @@ COMPANIONS = {
     "memory.reuse_fp32_param": [("train.dtype", "bfloat16")],
     "memory.recompute_layers": [("memory.recompute", "full")],
     "memory.swap_layers": [("memory.swap_activations", "true")],
+    # post-training reads the built-in arithmetic task, whose conversations need 64 tokens
+    "train.objective=sft": [("train.seq_len", "64")],
+    "train.objective=dpo": [("train.seq_len", "64")],
+    "dpo": [("train.objective", "dpo"), ("train.seq_len", "64")],
+    "dpo.label_smoothing": [("dpo.loss", "robust")],
+    # the rectified-flow objective trains the diffusion transformer on the built-in digits
+    "train.objective=flow": [("model.preset", "dit-tiny")],
+    "flow": [("train.objective", "flow"), ("model.preset", "dit-tiny")],
     "data.format=uint16": [("data.path", "{tokens_uint16}")],
     "data.format=uint32": [("data.path", "{tokens_uint32}")],
 }
@@ -169,6 +187,8 @@ CI_PICKS = [
     "sparsity.method=sr-ste",
     "memory.recompute=full",
     "moe.dispatcher=allgather",
+    "dpo.loss=ipo",
+    "flow.t_sampling=uniform",
 ]
 
 
