@@ -12,11 +12,19 @@ EXAMPLES = """examples:
   meshspeed eval --checkpoint runs/tiny/step-000300 --data.path notes.txt --train.eval_batches 8
   meshspeed eval --checkpoint ~/Llama-3.2-1B --data.path tokens.bin --data.format uint32 \\
       --data.tokenizer ~/Llama-3.2-1B --train.seq_len 1024     # a Hugging Face directory
+  meshspeed eval --checkpoint runs/dpo --pairs held_out.jsonl  # preference accuracy and margin
+  meshspeed eval --checkpoint runs/dpo --pairs held_out.jsonl --reference runs/sft --nproc 2 --parallel.tp 2
 
 The loss is the trainer's validation loss (the same held-out tokens: the last part of a token
 file, or the validation files of a text corpus; train.eval_batches batches of
 train.global_batch_size sequences), computed by the trainer's own code under the layout given.
 Settings default to what the checkpoint's run recorded; --section.key overrides them.
+
+--pairs FILE scores preference pairs instead (a JSON-lines file: every pair; a prepared pairs
+record file or a `data prepare --kind arith` directory: its validation split): the share of pairs
+whose chosen answer's reward beats the rejected one's, and the mean margin, rewards being
+dpo.beta × (policy − reference) summed log-probabilities. --reference init (default) is the run's
+starting point: its recorded model.init_from, else its seeded initialisation.
 """
 
 
@@ -38,6 +46,19 @@ def register(sub) -> None:
     )
     p.add_argument("--json", metavar="FILE", help='also write {"loss", "perplexity", "tokens", ...} here')
     p.add_argument("--config", metavar="FILE.toml", help="settings instead of the checkpoint's recorded ones")
+    p.add_argument(
+        "--pairs",
+        metavar="FILE",
+        help="print preference accuracy and mean margin on these held-out pairs (JSON lines: every "
+        "pair; a pairs record file or an arith directory: its validation split)",
+    )
+    p.add_argument(
+        "--reference",
+        default="init",
+        metavar="init|DIR",
+        help="--pairs: the reference model; init (default) = the run's starting point (its recorded "
+        "model.init_from, else its seeded initialisation), or a checkpoint / Hugging Face directory",
+    )
     config.add_arguments(p)
     p.set_defaults(func=run)
 
@@ -87,6 +108,33 @@ def check_data_fits(cfg, dp: int) -> None:
     )
 
 
+def run_pairs(args, quiet: bool) -> int:
+    """--pairs: the policy and its reference scored on the pairs (train/evaluate_pairs.py)."""
+    from meshspeed.comm import ConfigError, launch, launched
+    from meshspeed.plan import config
+    from meshspeed.plan.run_plan import make_plan, world_size
+    from meshspeed.train.evaluate_pairs import pairs_configs, pairs_worker
+
+    try:
+        if not os.path.exists(args.pairs):
+            raise ConfigError(f"--pairs={args.pairs!r} does not exist; give a JSON-lines file of pairs")
+        overrides = config.overrides_from_args(args)
+        policy, ref = pairs_configs(args.checkpoint, args.reference, args.pairs, args.config, overrides)
+        plan = make_plan(policy, world_size(policy), ranks=False)  # every check, before any worker
+        make_plan(ref, world_size(ref), ranks=False)
+        if not launched():
+            launch.check_workers(policy.nproc)
+    except ConfigError as err:
+        if not quiet:
+            print(f"meshspeed eval: {err}", file=sys.stderr)
+        return 2
+    job = (policy.to_dict(), ref.to_dict(), plan.device, args.pairs, args.json)
+    if launched():
+        return launch.run_worker(pairs_worker, job)
+    preload = ("meshspeed.train.trainer",)
+    return launch.spawn(pairs_worker, policy.nproc, job, fork_ok=plan.device == "cpu", preload=preload)
+
+
 def run(args) -> int:
     from meshspeed.comm import ConfigError, launch, launched
     from meshspeed.plan import config
@@ -94,6 +142,8 @@ def run(args) -> int:
     from meshspeed.train.evaluate import eval_config, worker
 
     quiet = launched() and os.environ.get("RANK", "0") != "0"
+    if args.pairs:
+        return run_pairs(args, quiet)
     try:
         overrides = config.overrides_from_args(args)
         cfg = eval_config(args.checkpoint, args.config, overrides)
