@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 
 from meshspeed.comm import ConfigError
+from meshspeed.models.dit_config import n_tokens
+from meshspeed.parallel.context import check_cp
 
 T_KINDS = ("uniform", "logit_normal")
 
@@ -33,11 +35,8 @@ def check_flow(cfg, config) -> None:
             f"parallel.pp={p.pp} with family dit: pipeline stages for dit are not built in the trainer "
             "yet; use pp=1 (dp with ZeRO 0-3, tp with sequence parallelism and recompute work)"
         )
-    if p.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={p.cp} with family dit: context parallelism over image tokens is not built "
-            "in the trainer yet; use cp=1 (tp with sequence_parallel splits the image tokens)"
-        )
+    if p.cp > 1:  # over the image tokens, full attention (the recipe's cp_tokens and causal=False)
+        check_cp(p.cp_impl, p.cp, config.n_heads // p.tp, n_tokens(config), p.cp_ulysses, causal=False)
     for key, on in (
         ("memory.chunked_loss", m.chunked_loss),
         ("train.fused_kernels", t.fused_kernels),

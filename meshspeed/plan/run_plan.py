@@ -122,8 +122,8 @@ def _check_model(cfg, config: ModelConfig, recipe) -> None:
     check_tp(p.tp, recipe)
     if cfg.data.packing and p.pp > 1:
         raise ConfigError(f"data.packing=true with parallel.pp={p.pp} is not supported yet; use pp=1")
-    if p.cp > 1:
-        check_cp(p.cp_impl, p.cp, config.n_heads // p.tp, t.seq_len, p.cp_ulysses)
+    if p.cp > 1 and not recipe.cp_tokens:  # a family cutting its own tokens checks them (plan/flow.py)
+        check_cp(p.cp_impl, p.cp, config.n_heads // p.tp, t.seq_len, p.cp_ulysses, recipe.causal)
     if p.sequence_parallel and p.tp > 1 and t.seq_len % p.tp:
         good = (t.seq_len // p.tp + 1) * p.tp
         raise ConfigError(

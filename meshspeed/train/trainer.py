@@ -81,7 +81,8 @@ class Trainer:
         # Born sharded: built on the meta device, each rank materialises only its pieces.
         # pp > 1: this rank's stage model (other stages' layers deleted, FQNs kept) + the schedule's runtime
         # cp > 1: the attention cores see this rank's tokens only (its zigzag slice of each sequence)
-        self.cp = context_parallel(self.mesh, p.cp_impl, p.cp_ulysses) if p.cp > 1 else None
+        cp_args = (self.mesh, p.cp_impl, p.cp_ulysses, None, self.recipe.causal)  # dit: full attention
+        self.cp = context_parallel(*cp_args) if p.cp > 1 else None
 
         def experts(model):  # ep > 1: this rank's block of experts, cut on meta (born sharded)
             apply_expert_parallel(model, self.mesh, cfg)
