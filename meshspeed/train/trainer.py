@@ -41,6 +41,7 @@ from meshspeed.plan.run_plan import RunPlan, make_plan
 from meshspeed.sparse.cuda import invalidate_compressed
 from meshspeed.train.batches import make_loaders, packed_documents, prepare_rows, to_device  # noqa: F401
 from meshspeed.train.experts import expert_load, replication_metrics, update_routing_bias
+from meshspeed.train.flow_run import make_ema
 from meshspeed.train.guards import NonFiniteError, check_bad  # noqa: F401  (NonFiniteError: re-exported)
 from meshspeed.train.metrics import MetricsLogger, lr_at, peak_flops
 from meshspeed.train.model_features import apply_model_features
@@ -157,6 +158,7 @@ class Trainer:
         )
         if self.pipeline is not None:
             self.pipeline.set_objective(self.objective, self.scorer)
+        self.ema = make_ema(self)  # flow.ema_decay > 0: the weights' average, in the optimizer's layout
         self.start_step = 0
         if cfg.checkpoint.resume:
             self.start_step = self._resume(cfg.checkpoint.resume)
@@ -189,6 +191,7 @@ class Trainer:
             state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=not verified)
         if self.sparsity is not None:
             self.sparsity.load_state_dict((state["extra"] or {}).get("sparsity"))
+        self.ema.load(state["extra"], self.lead)
         if self.lead:
             print(f"meshspeed: resumed from step {state['step']} ({state['path']})", flush=True)
         return int(state["step"])
@@ -214,6 +217,7 @@ class Trainer:
                     "config": self.cfg.to_dict(),
                     "model_config": dataclasses.asdict(self.model_config),
                     **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {}),
+                    **self.ema.extra(),  # collective: the EMA gathered whole
                 },
                 config=self.plan.to_dict(),  # meta.json records the resolved run plan
                 keep=self.cfg.checkpoint.keep,
@@ -338,6 +342,7 @@ class Trainer:
         sparse = {}
         if finite:
             self.opt.step(clip_coef=coef)
+            self.ema.update()  # the step's new weights into the average (a no-op when off)
             # DP writes weights through bucket views, which leave weight._version alone: the 2:4
             # compressed weights would go stale without this.
             invalidate_compressed(self.model)
