@@ -351,8 +351,7 @@ class Trainer:
         if self.model_config.n_experts:  # DeepSeek-V3 routing bias (balance=bias); counts reset
             update_routing_bias(self.model, self.mesh["dp_cp"], apply=finite)
         self.opt.zero_grad()
-        elapsed = time.perf_counter() - t0
-        tokens = self.objective.tokens_per_row or t.seq_len  # per row: dit's are image tokens
+        elapsed, tokens = time.perf_counter() - t0, self.objective.tokens_per_row or t.seq_len
         row = {
             "step": step,
             "loss": mean_loss,
