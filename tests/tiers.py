@@ -483,6 +483,11 @@ _ENTRIES: list[tuple[str, str]] = [
         "tests/post/test_trainer_vs_trl.py::test_sft_trainer_equals_trl_20_steps",
         "test_trainer_vs_trl.py::test_sft_trainer_equals_trl_3_steps (the same comparison, 3 steps)",
     ),
+    (
+        "tests/infer/test_cli_generate.py::test_chat_layouts_equal_one_process",
+        "test_cli_generate.py::test_chat_prompts_are_the_template (the chat prompt ids) and "
+        "tests/infer/test_parallel_generate.py::test_layouts_equal_single_process (any ids, tp/dp/pp)",
+    ),
     # --- issue 41: `meshspeed sample --nproc 2/3` launches workers that import torch (10-16 s)
     (
         "tests/infer/test_cli_sample.py::test_nproc_writes_the_same_pngs",

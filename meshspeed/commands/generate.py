@@ -27,6 +27,13 @@ def register(sub) -> None:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE", help="text file, one prompt per line")
     p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message: rendered with the tokenizer's chat template and its "
+        "generation prompt (the byte tokenizer's built-in one; see docs/post-training.md), as the "
+        "SFT/DPO records were; generation stops at the template's end-of-turn token",
+    )
+    p.add_argument(
         "--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)"
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")

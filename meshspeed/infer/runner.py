@@ -78,7 +78,18 @@ def resolve(opts: dict, *, local_gpus: int | None = None) -> dict:
             ) from None
     if not texts:
         raise ConfigError("no prompt: give --prompt TEXT (repeatable) or --prompts FILE (one per line)")
-    ids = [tok.encode(t) for t in texts]
+    eos_id = tok.eot
+    if opts.get("chat"):  # a user turn + the generation prompt, tokenized as training records were
+        from meshspeed.data.chat_template import prompt_ids
+        from meshspeed.data.corpus import DataError
+
+        try:
+            turns = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+        except DataError as err:
+            raise ConfigError(f"--chat: {err}") from None
+        ids, eos_id = [i for i, _ in turns], turns[0][1]
+    else:
+        ids = [tok.encode(t) for t in texts]
     if empty := [t for t, i in zip(texts, ids, strict=True) if not i]:
         raise ConfigError(f"--prompt {empty[0]!r} encodes to no tokens; give a non-empty prompt")
     prompt = max(len(i) for i in ids)
@@ -101,7 +112,7 @@ def resolve(opts: dict, *, local_gpus: int | None = None) -> dict:
         "tokenizer": spec,
         "texts": texts,
         "ids": ids,
-        "eos_id": tok.eot,
+        "eos_id": eos_id,
         "model_config": dataclasses.asdict(config),
     }
 
@@ -139,12 +150,15 @@ def worker(job: dict) -> None:
     )  # fmt: skip
     if ctx.rank == 0:
         tok = load_tokenizer(job["tokenizer"])
+        chat, eos = job.get("chat"), job["eos_id"]
+        # --chat: the answer's text without its end-of-turn token (the ids keep it)
+        answers = [o[:-1] if chat and o and o[-1] == eos else o for o in out]
         rows = [
-            {"prompt": p, "token_ids": o, "text": tok.decode(o)}
-            for p, o in zip(job["texts"], out, strict=True)
+            {"prompt": p, "token_ids": o, "text": tok.decode(a)}
+            for p, o, a in zip(job["texts"], out, answers, strict=True)
         ]
         for r in rows:
-            print(f"{r['prompt']}{r['text']}\n")
+            print(f"user: {r['prompt']}\nassistant: {r['text']}\n" if chat else f"{r['prompt']}{r['text']}\n")
         if job.get("json"):
             with open(job["json"], "w") as f:
                 json.dump({"outputs": rows}, f, indent=1)

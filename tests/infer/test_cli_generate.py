@@ -96,3 +96,44 @@ def test_pipeline_generation_of_an_untied_model_equals_one_process(tmp_path):
         assert main([*argv, *layout, "--temperature", "0.7", "--seed", "3"]) == 0
         outs.append(json.load(open(tmp_path / "c.json"))["outputs"])
     assert outs[0] == outs[1] and all(len(o["token_ids"]) == 5 for o in outs[0])
+
+
+def chat_run(model_dir, out, *extra):
+    return run(model_dir, out, "--chat", *extra)
+
+
+def test_chat_prompts_are_the_template(hf_dir, tmp_path):
+    """--chat: each prompt is a user turn with the generation prompt (chat_template.prompt_ids,
+    as SFT/DPO records are tokenized), stopping at the template's end-of-turn id."""
+    from meshspeed.data.chat_template import prompt_ids
+    from meshspeed.data.tokenizer import load_tokenizer
+    from meshspeed.infer.runner import resolve
+
+    opts = {"hf": hf_dir, "prompt": PROMPTS, "max_new_tokens": 5, "tp": 1, "dp": 1, "pp": 1, "nproc": 1}
+    job = resolve({**opts, "chat": True})
+    want = [prompt_ids(load_tokenizer("bytes"), [{"role": "user", "content": p}]) for p in PROMPTS]
+    assert job["ids"] == [i for i, _ in want] and job["eos_id"] == want[0][1] == 0
+    assert job["ids"][0] == list(b"<|user|>\nhello\n<|assistant|>\n")
+    solo = chat_run(hf_dir, tmp_path / "solo.json")
+    assert solo != run(hf_dir, tmp_path / "plain.json"), "the template changed nothing"
+    for o in solo:  # stops at the end-of-turn id
+        ids = o["token_ids"]
+        assert 0 not in ids[:-1] and (len(ids) == 5 or ids[-1] == 0)
+
+
+def test_chat_layouts_equal_one_process(hf_dir, tmp_path):
+    """--chat under tp 2 and dp 2 gives the same ids and text as one process."""
+    solo = chat_run(hf_dir, tmp_path / "solo.json")
+    for layout in (["--parallel.tp", "2"], ["--parallel.dp", "2"]):
+        assert chat_run(hf_dir, tmp_path / "p.json", "--nproc", "2", *layout) == solo
+
+
+def test_chat_stops_at_the_end_of_turn_token(tmp_path):
+    """A model whose every logit is 0 answers greedily with id 0, the byte template's end of
+    turn: --chat stops right after it and its text leaves it out."""
+    d = str(tmp_path / "silent")
+    model = make_hf("llama", str(tmp_path / "src"), vocab_size=260)
+    model.lm_head.weight.data.zero_()
+    model.save_pretrained(d)
+    outs = run(d, tmp_path / "c.json", "--chat")
+    assert all(o["token_ids"] == [0] and o["text"] == "" for o in outs), outs
