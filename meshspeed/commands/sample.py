@@ -55,6 +55,12 @@ def register(sub) -> None:
         "the conditional model alone, > 1 sharper classes",
     )
     how.add_argument("--seed", type=int, default=0, help="noise seed; the same seed, the same images")
+    how.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="sample with the trained weights even when the checkpoint holds their EMA (flow.ema_decay; "
+        "used by default)",
+    )
     p.add_argument("--out", default="samples", metavar="DIR", help="folder for the PNGs (default samples/)")
     p.add_argument(
         "--score",

@@ -113,6 +113,13 @@ def run(args) -> int:
     try:
         # A CPU job forks its workers from this process, which imported the trainer once.
         fork_ok, preload = plan.device == "cpu", ("meshspeed.train.trainer",)
-        return launch.spawn(worker, cfg.nproc, (plan.to_dict(), True), fork_ok=fork_ok, preload=preload)
+        rc = launch.spawn(worker, cfg.nproc, (plan.to_dict(), True), fork_ok=fork_ok, preload=preload)
+        if rc == 0 and plan.model.get("family") == "dit" and cfg.flow.sample_n > 0:
+            # the end-of-run samples, here in the launcher once the workers are done (train/
+            # never imports infer/): a grid beside loss.png, the digit figure for digits models
+            from meshspeed.infer.sample_run import after_training
+
+            after_training(cfg)
+        return rc
     finally:
         lock.release()  # the kernel drops it too if this process dies

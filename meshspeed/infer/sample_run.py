@@ -138,7 +138,8 @@ def sample_and_report(model, job: dict, mesh, rank: int) -> dict | None:
     dp = job.get("nproc", 1)
     print(
         f"meshspeed sample: wrote {len(job['labels'])} PNGs and grid.png to {job['out']} "
-        f"({job['sampler']}, {job['steps']} steps, guidance {job['guidance']:g}, seed {job['seed']})"
+        f"({job['sampler']}, {job['steps']} steps, guidance {job['guidance']:g}, seed {job['seed']}; "
+        f"{job.get('weights', 'the trained weights')})"
     )
     print(
         f"meshspeed sample: {stats.line(len(job['labels']))} sampling, {wall:.2f} s with the "
@@ -169,8 +170,58 @@ def load_model(job: dict, mesh):
         path, skipped = newest_verified(path, mesh)
         if path is None:
             raise CheckpointError(f"{job['setting']}={job['path']!r}: no checkpoint verifies ({skipped})")
-    load_checkpoint(path, model, None, mesh, restore_rng=False)
+    state = load_checkpoint(path, model, None, mesh, restore_rng=False)
+    ema = (state["extra"] or {}).get("ema")  # a flow run's EMA (train/flow_run.py): whole tensors
+    job["weights"] = "the trained weights"
+    if ema is not None and not job.get("no_ema"):
+        load_ema(model, ema["weights"])
+        job["weights"] = f"the EMA of the weights (decay {ema['decay']:g}, {ema['updates']} updates)"
     return model.eval()
+
+
+def load_ema(model, weights: dict) -> None:
+    """Copy a checkpoint's EMA (whole tensors by name) into a dp-only model's parameters."""
+    import torch
+
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) ^ set(weights))
+    if missing:
+        raise ConfigError(
+            f"the checkpoint's EMA does not match the model ({missing[0]}); sample with --no-ema"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name].to(p))
+
+
+def after_training(cfg) -> dict | None:
+    """The end of `meshspeed train` on a dit run (commands/train.py calls it in the launcher once
+    the workers are done; train/ never imports infer/): flow.sample_n images of every class from
+    the final checkpoint (its EMA when kept) in this process, the PNGs under run.dir/samples,
+    the grid copied to run.dir/samples.png beside loss.png, and for digits-shaped models the
+    classifier's accuracy and FID printed and written to run.dir/samples/score.json."""
+    import json
+    import shutil
+
+    f, out = cfg.flow, os.path.join(cfg.run.dir, "samples")
+    opts = {
+        "run": cfg.run.dir, "checkpoint": None, "classes": None, "prompts": None, "n": f.sample_n,
+        "steps": f.sample_steps, "sampler": "euler", "guidance": f.sample_guidance, "seed": 0,
+        "out": out, "score": False, "nproc": 1, "device": cfg.run.device,
+    }  # fmt: skip
+    job = resolve(opts)
+    job["score"] = job["shape"] == [1, 8, 8] and len(set(job["labels"])) == 10  # the digits' classifier
+    ctx = comm.init(device=job["device"])
+    try:
+        mesh = comm.ParallelDims(dp=1).build(ctx)
+        result = sample_and_report(load_model(job, mesh), job, mesh, ctx.rank)
+    finally:
+        ctx.close()
+    shutil.copyfile(os.path.join(out, "grid.png"), os.path.join(cfg.run.dir, "samples.png"))
+    if result["score"] is not None:
+        with open(os.path.join(out, "score.json"), "w") as fh:
+            json.dump({**result["score"], "guidance": f.sample_guidance, "steps": f.sample_steps}, fh)
+    return result
 
 
 def worker(job: dict) -> None:
