@@ -155,6 +155,10 @@ PRESETS: dict[str, dict] = {
         vision_heads=4,
         merge_size=2,
         image_token_id=255,
+        # The ViT has no absolute positions (Qwen2-VL's RoPE only): where things are reaches the
+        # features only through attention, whose q/k barely move from a 0.02 init. 0.08 measured on
+        # 2 CPU cores, 300 steps: digits held-out 19% -> 64%; the shapes' relation word 51% -> 93%.
+        init_std=0.08,
     ),
     # Qwen2-VL-7B's shape for dry runs and the planner: the Qwen2-7B decoder, a 32-block ViT of
     # width 1280 (16 heads, patch 14) and the 2 x 2 merger; 448 x 448 images (256 image tokens).
