@@ -1,7 +1,33 @@
 """Session-wide test settings."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
+
+
+def _triton_ready_for_its_interpreter() -> None:
+    """Import Triton once with TRITON_INTERPRET=1, then restore the variable. The kernel tests
+    set it before building their kernels, but Triton keeps some state from its first import:
+    imported first without it (diffusers imports torch ops that define Triton kernels), its
+    interpreter later fails ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except Exception:  # a broken Triton install: the kernel tests skip or say so themselves
+        pass
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_triton_ready_for_its_interpreter()
 
 # The distributed tests keep pools of worker processes on the same two cores; a multi-threaded
 # main process would fight them for the CPU and slow every test down.
