@@ -54,12 +54,40 @@ class PipelineUnits:
     """The modules a pipeline stage holds. `layers` names an nn.ModuleDict of blocks keyed by
     str(index) (deleting some keeps the others' FQNs); stage 0 runs `embedding` first and the
     last stage runs `head` in order after the last block. Each block is called as
-    `block(h, *layer_args(model, positions))`."""
+    `block(h, *layer_args(model, positions))`.
+
+    Between stages travels ONE tensor per micro-batch, [micro, seq(/tp), hidden]. A family whose
+    blocks need more than the hidden states (a dit's conditioning c [micro, dim], with its
+    gradient back) packs it into `carry` extra rows of that tensor, so the runtime's messages
+    stay one fixed-shape tensor and the gradient of the packed rows travels back like any
+    other (a second message per micro-batch would touch every send, receive, leaf and split
+    backward of the runtime). The optional fields say how:
+
+        also_first  more modules only stage 0 holds (dit: the timestep and class embedders)
+        inputs      the micro-batch keys stage 0 runs on, in order (default: the tokens)
+        seq_len     rows per sample between stages when the input is not train.seq_len tokens
+                    (dit: its image tokens); 0: the caller's seq_len
+        carry       rows packed ahead of the sequence: messages are [micro, carry + seq, hidden]
+        embed       (model, *inputs) -> the packed activation, on stage 0
+        run_block   (block, packed, *layer_args) -> packed: unpack, run, re-pack
+        run_head    (model, packed) -> the model's output, on the last stage
+    """
 
     embedding: str
     layers: str
     head: tuple[str, ...]
     layer_args: Callable[[nn.Module, torch.Tensor], tuple]
+    also_first: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ("tokens",)
+    seq_len: int = 0
+    carry: int = 0
+    embed: Callable[..., torch.Tensor] | None = None
+    run_block: Callable[..., torch.Tensor] | None = None
+    run_head: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+
+    def first_modules(self) -> tuple[str, ...]:
+        """Every module only stage 0 holds."""
+        return (self.embedding, *self.also_first)
 
 
 def _no_aux(modules: Iterable[nn.Module]) -> torch.Tensor | None:

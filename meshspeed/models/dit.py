@@ -19,8 +19,9 @@ way, 0 clean to 999 noisy); t = 1 maps to 1000, just past DDPM's last step, whic
 embedding takes like any other number.
 
 FQNs are the tensor-parallel plan's and the pipeline's: blocks in an nn.ModuleDict keyed by
-str(index); x_embedder, blocks, final_layer may be None on a pipeline stage. Head counts are read
-from tensor shapes, so a tensor-parallel shard of wq/wk/wv runs through the same forward.
+str(index); x_embedder, t_embedder, y_embedder, blocks, final_layer may be None on a pipeline
+stage. Head counts are read from tensor shapes, so a tensor-parallel shard of wq/wk/wv runs
+through the same forward.
 """
 
 from __future__ import annotations
@@ -265,7 +266,7 @@ class DiT(nn.Module):
         return h if self.final_layer is None else self.head(h, c)
 
     # The three pieces a pipeline runs (stage 0, every stage, the last stage): c is made once on
-    # stage 0 and travels beside h, as an activation with a gradient (dit_recipe.layer_args).
+    # stage 0 and travels beside h, as an activation with a gradient (dit_recipe.pack).
     def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None):
         """Patch tokens h [B, N(/tp), dim] and the conditioning c [B, dim] (the first stage's work)."""
         h = self.x_embedder(x) if self.x_embedder is not None else x

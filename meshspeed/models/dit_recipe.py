@@ -38,6 +38,7 @@ from meshspeed.comm.recipe import PipelineUnits, Recipe, Style
 
 from .config import ModelConfig
 from .dit import DiT
+from .dit_config import n_tokens
 from .init import canonical_name, param_seed
 
 # --- init ------------------------------------------------------------------------------------
@@ -194,13 +195,44 @@ def flow_mse(pred: torch.Tensor, target: torch.Tensor, *_ignored) -> torch.Tenso
     return F.mse_loss(pred[:, : target.shape[1]].float(), target.float())
 
 
+# --- pipeline units ----------------------------------------------------------------------------
+# Every block needs c [B, dim], made once on stage 0 from t and y: it travels as row 0 of the one
+# activation the runtime passes between stages, h' = [c, h] [B, 1 + N(/tp)(/cp), dim], and its
+# gradient comes back in the same row (comm/recipe.PipelineUnits). Under sequence or context
+# parallelism each rank packs its token shard with its whole c, so no split ever cuts the row.
+
+
+def pack(h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """h [B, N, dim], c [B, dim] -> [B, 1 + N, dim] (c first)."""
+    return torch.cat([c[:, None].to(h.dtype), h], dim=1)
+
+
+def unpack(hc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return hc[:, 1:], hc[:, 0]
+
+
+def stage_embed(model: nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return pack(*model.embed(x, t, y))
+
+
+def stage_block(block: nn.Module, hc: torch.Tensor) -> torch.Tensor:
+    h, c = unpack(hc)
+    return pack(block(h, c), c)
+
+
+def stage_head(model: nn.Module, hc: torch.Tensor) -> torch.Tensor:
+    return model.head(*unpack(hc))
+
+
 def layer_args(model: nn.Module, positions: torch.Tensor) -> tuple:
-    """DiT blocks take the conditioning c [B, dim] per micro-batch, which the current pipeline
-    runtime cannot carry between stages yet (issue 41: PipelineUnits needs a carried activation)."""
-    raise comm.ConfigError(
-        "parallel.pp > 1 is not available for the dit family yet: its blocks need the "
-        "conditioning vector carried between stages; use pp = 1"
-    )
+    """Nothing beyond the packed activation: positions are added at the patch embedding. Text
+    tokens would be a per-micro-batch input of every stage, which the pipeline does not carry."""
+    if model.config.text_dim:
+        raise comm.ConfigError(
+            "parallel.pp > 1 with a text-conditioned dit (model.text_dim > 0): the text tokens are "
+            "not carried between pipeline stages yet; use pp = 1"
+        )
+    return ()
 
 
 def recipe(config: ModelConfig) -> Recipe:
@@ -210,7 +242,17 @@ def recipe(config: ModelConfig) -> Recipe:
         init=lambda fqn, shape, seed: init_tensor(fqn, shape, seed),
         loss=flow_mse,
         pipeline=PipelineUnits(
-            embedding="x_embedder", layers="blocks", head=("final_layer",), layer_args=layer_args
+            embedding="x_embedder",
+            layers="blocks",
+            head=("final_layer",),
+            layer_args=layer_args,
+            also_first=("t_embedder", "y_embedder") if config.n_classes else ("t_embedder",),
+            inputs=("x_t", "t", "y"),  # train/objectives/flow.py's rows
+            seq_len=n_tokens(config),
+            carry=1,
+            embed=stage_embed,
+            run_block=stage_block,
+            run_head=stage_head,
         ),
         tp_plan=tp_plan(config),
         tp_styles=DIT_TP_STYLES,

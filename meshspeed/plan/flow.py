@@ -30,10 +30,10 @@ def check_flow(cfg, config) -> None:
         )
     if not dit:
         return
-    if p.pp > 1:
+    if p.pp > 1 and config.text_dim:  # the conditioning c travels between stages; text does not yet
         raise ConfigError(
-            f"parallel.pp={p.pp} with family dit: pipeline stages for dit are not built in the trainer "
-            "yet; use pp=1 (dp with ZeRO 0-3, tp with sequence parallelism and recompute work)"
+            f"parallel.pp={p.pp} with a text-conditioned dit (model.text_dim={config.text_dim}): the "
+            "text tokens are not carried between pipeline stages yet; use pp=1"
         )
     if p.cp > 1:  # over the image tokens, full attention (the recipe's cp_tokens and causal=False)
         check_cp(p.cp_impl, p.cp, config.n_heads // p.tp, n_tokens(config), p.cp_ulysses, causal=False)

@@ -243,7 +243,7 @@ def _owner(fqn: str, units) -> tuple[str, int | None]:
     prefix = units.layers + "."
     if fqn.startswith(prefix):
         return "layer", int(fqn[len(prefix) :].split(".")[0])
-    if units.embedding and fqn.startswith(units.embedding + "."):
+    if units.embedding and any(fqn.startswith(e + ".") for e in units.first_modules()):
         return "embedding", None
     if any(fqn.startswith(h + ".") for h in units.head):
         return "head", None

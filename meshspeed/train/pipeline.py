@@ -55,16 +55,17 @@ class TrainerPipeline:
             placement=get_schedule(p.pp_schedule).placement,  # where layouts is None (a library caller)
         )
         self.model = self.stages.model
+        seq = recipe.pipeline.seq_len or t.seq_len  # a dit's stages pass its image tokens
         self.runtime = PipelineRuntime(
             self.stages,
             mesh,
             p.pp_schedule,
             microbatches,
             micro_batch_size=t.micro_batch_size * rows_per_record,
-            seq_len=t.seq_len,
+            seq_len=seq,
             sequence_parallel=p.sequence_parallel,
             trace=p.pp_trace,
-            positions=None if cp is None else cp.positions(t.seq_len),
+            positions=None if cp is None else cp.positions(seq),
             overlap=p.pp_overlap,
         )
         if cfg.memory.chunked_loss and self.stages.has_head:

@@ -17,9 +17,16 @@ from meshspeed.parallel.pipeline.actions import F, holder_of
 from meshspeed.parallel.tensor import loss_fn
 
 
-def micro_tokens(mb) -> torch.Tensor:
-    """A micro-batch's input tokens: (tokens, targets) pair or batch dict."""
-    return mb["tokens"] if isinstance(mb, dict) else mb[0]
+def micro_inputs(mb, units, device) -> tuple[torch.Tensor, ...]:
+    """What stage 0 runs on, on `device`: the tokens of a (tokens, targets) pair, or the
+    recipe's input keys of a batch dict (PipelineUnits.inputs)."""
+    xs = tuple(mb[k] for k in units.inputs) if isinstance(mb, dict) else (mb[0],)
+    return tuple(x.to(device) for x in xs)
+
+
+def micro_rows(mb, units) -> int:
+    """Rows of a micro-batch: the first dimension of what flows between stages."""
+    return (mb[units.inputs[0]] if isinstance(mb, dict) else mb[0]).shape[0]
 
 
 def micro_targets(mb) -> torch.Tensor:
@@ -85,11 +92,12 @@ class ForwardOnly:
             src = holder_of(stage - 1, self.pp, self.placement)[0]  # unused on the first stage
             for mb, item in enumerate(micro):
                 if chunk.is_first:
-                    h = chunk.embed(micro_tokens(item).to(self.device))
+                    h = chunk.embed(*micro_inputs(item, chunk.units, self.device))
                 elif src == self.rank:
                     h = self._inbox.pop((F, mb, c))
-                else:
-                    self.comm.post_recv(("eval", mb, c), src, self.shape, dtype)
+                else:  # rows as the micro-batch's (flow validation: every sample at 8 timesteps)
+                    shape = (micro_rows(item, chunk.units), *self.shape[1:])
+                    self.comm.post_recv(("eval", mb, c), src, shape, dtype)
                     h = self.comm.take(("eval", mb, c))
                 out = chunk.body(h, self.positions)
                 if chunk.is_last:

@@ -7,10 +7,10 @@
 
 The schedule (schedules.py, communication placed by comms.py, checked by validate.py) is the
 whole plan; the runtime adds no ordering of its own:
-- F: run the chunk on the microbatch (stage 0: tokens; else the received activations, made a
-  leaf that requires grad). The last stage computes the loss; each microbatch's backward
-  starts from loss / m (+ MoE aux / m), so gradients are those of the mean over microbatches,
-  exactly what the plain accumulation loop produces.
+- F: run the chunk on the microbatch (stage 0: the recipe's inputs, tokens or a dit's x_t, t,
+  y; else the received activations, made a leaf that requires grad). The last stage computes
+  the loss; each microbatch's backward starts from loss / m (+ MoE aux / m), so gradients are
+  those of the mean over microbatches, exactly what the plain accumulation loop produces.
 - B: backward from the chunk's output, seeded by the received gradient. Split schedules
   (zero-bubble, dualpipev) take only the input gradient here (split_backward.py) and W
   accumulates the weight gradients later; every other schedule does the full backward in B,
@@ -55,7 +55,7 @@ from meshspeed.parallel.pipeline.actions import (
     stage_of,
 )
 from meshspeed.parallel.pipeline.duet import Duet
-from meshspeed.parallel.pipeline.forward_only import ForwardOnly, held, micro_targets, micro_tokens
+from meshspeed.parallel.pipeline.forward_only import ForwardOnly, held, micro_inputs, micro_targets
 from meshspeed.parallel.pipeline.pairs import overlapped
 from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 from meshspeed.parallel.pipeline.split_backward import WeightGrad, split_backward
@@ -121,10 +121,11 @@ class PipelineRuntime(ForwardOnly):
             raise comm.ConfigError(
                 f"sequence parallelism needs train.seq_len={seq_len} divisible by parallel.tp={tp}"
             )
-        # [micro, seq(/tp), dim]: every message between stages has this shape
+        # [micro, carry + seq(/tp), dim]: every message between stages has this shape (carry:
+        # rows a family packs ahead of the sequence, a dit's conditioning; PipelineUnits)
         self.shape = (
             micro_batch_size,
-            seq_len // tp if sequence_parallel else seq_len,
+            stages.recipe.pipeline.carry + (seq_len // tp if sequence_parallel else seq_len),
             stages.recipe.hidden_size,
         )
         self.positions = (
@@ -314,7 +315,7 @@ class PipelineRuntime(ForwardOnly):
         mb = self._micro[a.microbatch]
         leaf = emb = None
         if chunk.is_first:
-            h = chunk.embed(micro_tokens(mb).to(self.device))
+            h = chunk.embed(*micro_inputs(mb, chunk.units, self.device))
             if self.split:  # W runs the embedding's backward (it is a weight gradient)
                 emb, h = h, h.detach().requires_grad_()
                 leaf = h

@@ -84,28 +84,36 @@ class StageChunk:
         hidden states, or logits [batch, seq, vocab(/tp)] on the last stage."""
         return self.body(self.embed(x), positions)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.get_submodule(self.units.embedding)(x) if self.layout.embedding else x
+    def embed(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Stage 0: the recipe's inputs (tokens; a dit's x_t, t, y) -> what the next stage gets."""
+        if not self.layout.embedding:
+            return inputs[0]
+        if self.units.embed is not None:  # a family packing more than the hidden states
+            return self.units.embed(self.model, *inputs)
+        return self.model.get_submodule(self.units.embedding)(inputs[0])
 
     def embedding_params(self) -> list[nn.Parameter]:
-        return list(self.model.get_submodule(self.units.embedding).parameters())
+        """Every stage-0-only module's parameters: W of a split schedule owns their gradients."""
+        return [p for name in self.units.first_modules() for p in self.model.get_submodule(name).parameters()]
 
     def body(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Everything after the embedding."""
         # Positions given explicitly: under sequence parallelism a middle stage's input holds
         # seq/tp rows, so its length is not the sequence length.
         args = self.units.layer_args(self.model, positions)
-        blocks = self.model.get_submodule(self.units.layers)
+        blocks, run = self.model.get_submodule(self.units.layers), self.units.run_block
         for i in self.layout.layers:
-            h = blocks[str(i)](h, *args)
+            h = blocks[str(i)](h, *args) if run is None else run(blocks[str(i)], h, *args)
         if self.layout.head:
+            if self.units.run_head is not None:
+                return self.units.run_head(self.model, h)
             for name in self.units.head:
                 h = self.model.get_submodule(name)(h)
         return h
 
     def modules(self) -> list[nn.Module]:
         m, u = self.model, self.units
-        mods = [m.get_submodule(u.embedding)] if self.layout.embedding else []
+        mods = [m.get_submodule(name) for name in u.first_modules()] if self.layout.embedding else []
         mods += [m.get_submodule(u.layers)[str(i)] for i in self.layout.layers]
         return mods + ([m.get_submodule(n) for n in u.head] if self.layout.head else [])
 
@@ -167,7 +175,8 @@ def keep_stage(recipe: Recipe, layouts: list[StageLayout], rank: int):
         for key in [k for k in blocks if k not in keep]:
             del blocks[key]
         if not any(s.embedding for s in mine):
-            set_submodule(model, units.embedding, None)
+            for name in units.first_modules():
+                set_submodule(model, name, None)
         if not any(s.head for s in mine):
             for name in units.head:
                 set_submodule(model, name, None)

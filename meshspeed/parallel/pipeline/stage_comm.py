@@ -1,7 +1,8 @@
 """The pipeline runtime's point-to-point: receives posted ahead, sends fire-and-forget.
 
 Every message between stages is one tensor of a statically known shape, the activations
-[micro, seq(/tp with sequence parallelism), dim] forward and their gradients backward, so a
+[micro, carry + seq(/tp with sequence parallelism), dim] forward (carry: rows a family packs
+ahead of the sequence, PipelineUnits) and their gradients backward, so a
 receive buffer is allocated and posted (irecv) before the data is needed and the runtime only
 waits at the point the schedule placed the RECV. Sends are isend; their handles are reaped
 as they complete and all waited at the end of the step. Peers are pp-group member indices,
