@@ -122,6 +122,28 @@ def test_dit_pipeline_matches_single_device(ws, dims, runs):
     assert harness.run(ws, job_dit_pp, dims, runs) == [[]] * ws
 
 
+def test_stage_zero_holds_and_splits_every_conditioning_module():
+    """Stage 0 alone holds the patch, timestep and class embedders (a later stage holding them
+    would train copies nobody uses and checkpoint them twice), and a split schedule's W owns all
+    their weight gradients (the built-in split schedules fuse stage 0's W with its B, so no
+    parity run reaches that path)."""
+    from meshspeed.comm.recipe import build_on_meta
+    from meshspeed.parallel.pipeline.stage import StageChunk, keep_stage, stage_layouts
+
+    recipe = recipe_for(ModelConfig(**CFG))
+    layouts = stage_layouts(recipe, 2)
+    first = ("x_embedder.", "t_embedder.", "y_embedder.")
+    for rank in (0, 1):
+        model = build_on_meta(recipe)
+        keep_stage(recipe, layouts, rank)(model)
+        held = {n for n, _ in model.named_parameters() if n.startswith(first)}
+        assert bool(held) == (rank == 0), held
+        if rank == 0:
+            chunk = StageChunk(model, recipe, layouts[0], 2)
+            want = {id(p) for n, p in model.named_parameters() if n.startswith(first)}
+            assert {id(p) for p in chunk.embedding_params()} == want
+
+
 # --- through the Trainer: train.objective=flow on the built-in digits ------------------------
 
 FLOW_PP = [
