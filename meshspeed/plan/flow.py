@@ -36,7 +36,14 @@ def check_flow(cfg, config) -> None:
             "text tokens are not carried between pipeline stages yet; use pp=1"
         )
     if p.cp > 1:  # over the image tokens, full attention (the recipe's cp_tokens and causal=False)
-        check_cp(p.cp_impl, p.cp, config.n_heads // p.tp, n_tokens(config), p.cp_ulysses, causal=False)
+        n = n_tokens(config)
+        if n % p.cp:
+            ok = [d for d in range(2, n + 1) if n % d == 0][:8]
+            raise ConfigError(
+                f"parallel.cp={p.cp} does not divide the {n} image tokens of model.image_size="
+                f"{config.image_size} / patch_size={config.patch_size}; use cp among {ok}"
+            )
+        check_cp(p.cp_impl, p.cp, config.n_heads // p.tp, n, p.cp_ulysses, causal=False)
     for key, on in (
         ("memory.chunked_loss", m.chunked_loss),
         ("train.fused_kernels", t.fused_kernels),

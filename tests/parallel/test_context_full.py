@@ -190,3 +190,24 @@ def test_flow_training_under_cp_equals_single_process(tmp_path_factory, name, ws
     got = harness.run(ws, job_flow_losses, str(tmp_path_factory.mktemp(name)), extra, timeout=240)
     assert_rows_close(got, want, name)
     assert want[0][-2] < want[0][0] - 0.1  # learning: the equality is not about constants
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (
+            [("parallel.cp", "3")],
+            r"parallel.cp=3 does not divide the 16 image tokens .* use cp among \[2, 4, 8, 16\]",
+        ),
+        ([("parallel.cp", "8"), ("parallel.cp_impl", "ulysses")], "splits 4 attention heads over 8 ranks"),
+    ],
+)
+def test_plan_refuses_bad_dit_cp_in_one_line(tmp_path, extra, match):
+    from meshspeed.comm.errors import ConfigError
+    from meshspeed.plan import config
+    from meshspeed.plan.run_plan import make_plan
+
+    cfg = config.load(None, FLOW_BASE + [("run.dir", str(tmp_path))] + extra)
+    with pytest.raises(ConfigError, match=match) as e:
+        make_plan(cfg, int(dict(extra)["parallel.cp"]), ranks=False)
+    assert "\n" not in str(e.value)
