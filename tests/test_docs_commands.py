@@ -189,6 +189,17 @@ def trained_big(tmp_path_factory):
     return d / "runs" / "big"
 
 
+@pytest.fixture(scope="session")
+def trained_dit(tmp_path_factory):
+    """runs/dit-tiny: configs/dit-tiny.toml trained 2 steps, no end-of-run samples (docs/diffusion.md's
+    `meshspeed sample --run runs/dit-tiny` commands read it)."""
+    d = tmp_path_factory.mktemp("trained_dit")
+    os.symlink(os.path.join(ROOT, "configs"), d / "configs")
+    argv = ["meshspeed", "train", "--config", "configs/dit-tiny.toml", "--flow.sample_n", "0"]
+    _ok(run(argv + ["--train.steps", "2", "--checkpoint.interval", "0"], d, 300), "runs/dit-tiny")
+    return d / "runs" / "dit-tiny"
+
+
 def _workdir(tmp_path):
     for name in ("configs", "examples"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
@@ -200,6 +211,8 @@ def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
     text = cmd.text
     if re.search(r"runs/tiny\b|--checkpoint\.resume|\./tiny-llama", text):
         shutil.copytree(request.getfixturevalue("trained"), cwd / "runs" / "tiny", symlinks=True)
+    if re.search(r"--run runs/dit-tiny\b", text):
+        shutil.copytree(request.getfixturevalue("trained_dit"), cwd / "runs" / "dit-tiny", symlinks=True)
     if re.search(r"runs/big\b", text):
         shutil.copytree(request.getfixturevalue("trained_big"), cwd / "runs" / "big", symlinks=True)
     if "./tiny-llama" in text:
