@@ -174,6 +174,12 @@ def job_flow_losses(ctx, run_dir: str, extra: list) -> tuple[list, list]:
 FLOW_LAYOUTS = [
     ("cp2-ring", 2, [("parallel.cp", "2"), ("parallel.cp_impl", "ring")]),
     ("cp2-dp2-ulysses", 4, [("parallel.cp", "2"), ("parallel.cp_impl", "ulysses")]),
+    ("cp2-dp2-zero3", 4, [("parallel.cp", "2"), ("parallel.zero", "3")]),
+    (
+        "cp2-tp2-sp-ring",
+        4,
+        [("parallel.cp", "2"), ("parallel.tp", "2"), ("parallel.sequence_parallel", "true")],
+    ),
 ]
 _FLOW_REF: list = []
 
