@@ -488,11 +488,44 @@ _ENTRIES: list[tuple[str, str]] = [
         "test_cli_generate.py::test_chat_prompts_are_the_template (the chat prompt ids) and "
         "tests/infer/test_parallel_generate.py::test_layouts_equal_single_process (any ids, tp/dp/pp)",
     ),
+    # --- issue 41: dit through the Trainer; the same claims at a cheaper layout stay in CI
+    (
+        "tests/train/test_dit_trainer.py::test_layout_equals_one_process[dp2-zero1]",
+        "test_dit_trainer.py::test_layout_equals_one_process[dp2-tp2-sp-zero1] (ZeRO-1 at world 4), "
+        "[dp2-zero2] and [dp2-zero3]",
+    ),
+    (
+        "tests/train/test_dit_trainer.py::test_layout_equals_one_process[tp2-recompute-selective]",
+        "test_dit_trainer.py::test_layout_equals_one_process[dp2-recompute-full] and "
+        "tests/models/test_dit.py (full and selective recompute give the same gradients)",
+    ),
+    (
+        "tests/train/test_dit_trainer.py::test_resume_in_another_layout_keeps_the_ema",
+        "test_dit_trainer.py::test_resume_with_ema_equals_uninterrupted (the EMA's round trip) and "
+        "test_layout_equals_one_process[dp2-zero3] (the EMA gathered from ZeRO-3 shards)",
+    ),
+    (
+        "tests/train/test_dit_cli.py::test_train_config_then_sample",
+        "test_dit_cli.py::test_sample_loads_the_ema (the EMA into the sampler, in-process); "
+        "docs/diffusion.md's commands in the docs test (slow) run configs/dit-tiny.toml too",
+    ),
     # --- issue 41: `meshspeed sample --nproc 2/3` launches workers that import torch (10-16 s)
     (
         "tests/infer/test_cli_sample.py::test_nproc_writes_the_same_pngs",
         "tests/infer/test_diffusion.py::test_dp_gives_byte_identical_pngs (the same sampling at dp 2 "
         "and 3 in the pool) and test_cli_sample.py::test_run_dir_samples (the run directory's loading)",
+    ),
+    # --- issue 41: dit training through the Trainer under cp / pp (a single-process reference
+    # run plus the layout's, 15-20 s); the same layouts stay in CI at the model level
+    (
+        "tests/parallel/test_context_full.py::test_flow_training_under_cp_equals_single_process",
+        "tests/parallel/test_context_full.py::test_dit_context_parallel_matches_single_device "
+        "(cp 2/3/4: ring, Ulysses, hybrid, × dp, × tp + SP)",
+    ),
+    (
+        "tests/parallel/test_dit_pipeline.py::test_flow_training_under_pp_equals_single_process",
+        "tests/parallel/test_dit_pipeline.py::test_dit_pipeline_matches_single_device "
+        "(every schedule at pp 2, × tp + SP, × cp, with evaluation)",
     ),
 ]
 SLOW: dict[str, str] = dict(_ENTRIES)

@@ -184,7 +184,6 @@ FLOW_LAYOUTS = [
 _FLOW_REF: list = []
 
 
-@pytest.mark.slow  # ~15 s with the reference run on 2 cores
 @pytest.mark.parametrize("name,ws,extra", FLOW_LAYOUTS, ids=[x[0] for x in FLOW_LAYOUTS])
 def test_flow_training_under_cp_equals_single_process(tmp_path_factory, name, ws, extra):
     from tests.train.test_trainer import assert_rows_close

@@ -153,7 +153,6 @@ FLOW_PP = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow  # ~15 s with the single-process reference on 2 cores
 @pytest.mark.parametrize("name,ws,extra", FLOW_PP, ids=[x[0] for x in FLOW_PP])
 def test_flow_training_under_pp_equals_single_process(tmp_path_factory, name, ws, extra):
     from tests.parallel.test_context_full import _FLOW_REF, job_flow_losses
