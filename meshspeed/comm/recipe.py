@@ -121,6 +121,12 @@ class Recipe:
         lines += [f"  tp {p} -> {s}" for p, s in self.tp_plan]
         lines += [f"  expert {p} (expert dim {d})" for p, d in self.experts]
         lines += [f"  tied {a} = {o}" for a, o in self.tied]
+        if not self.causal:
+            lines.append("  attention: full (context parallelism visits every ring block)")
+        if self.cp_tokens:
+            lines.append(f"  cp tokens: cut after {self.cp_tokens[0]}, gathered after {self.cp_tokens[1]}")
+        if self.pipeline.carry:
+            lines.append(f"  pipeline: {self.pipeline.carry} row(s) carried ahead of the sequence")
         return "\n".join(lines)
 
 
