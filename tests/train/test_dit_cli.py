@@ -1,7 +1,8 @@
 """`meshspeed train --config configs/dit-tiny.toml` end to end (a few steps): the workers train
 and checkpoint the EMA, then the launcher samples every class into run.dir/samples.png beside
 loss.png and prints the digit figure; `meshspeed sample --run` on that directory draws with the
-EMA (or, with --no-ema, the trained weights: other images)."""
+EMA (or, with --no-ema, the trained weights: other images). The command test is in the slow
+tier (tests/tiers.py); test_sample_loads_the_ema keeps the EMA's way into the sampler in CI."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import torch
 from PIL import Image
 
 from meshspeed.cli import main
@@ -60,3 +62,39 @@ def test_train_config_then_sample(tmp_path, capsys):
     assert "the trained weights" in capsys.readouterr().out
     a, b = ((tmp_path / d / "grid.png").read_bytes() for d in ("ema", "raw"))
     assert a != b, "sampling with the EMA drew the same images as the trained weights"
+
+
+def job_train_and_save(ctx, run_dir: str):
+    """2 flow steps with the EMA on, saved: (EMA whole, weights whole) by name."""
+    from meshspeed.plan import config
+    from meshspeed.train.trainer import Trainer
+    from tests.train.test_dit_trainer import BASE, whole_weights
+
+    cfg = config.load(None, BASE + [("run.dir", run_dir), ("train.steps", "2")])
+    trainer = Trainer(cfg, ctx)
+    for s in range(2):
+        trainer.train_step(s)
+    trainer._save(2)
+    return trainer.ema.whole(), whole_weights(trainer)
+
+
+def test_sample_loads_the_ema(tmp_path):
+    """In-process (the CI claim of the command test above): the sampler's model holds the
+    checkpoint's EMA, or with no_ema the trained weights."""
+    from meshspeed import comm
+    from meshspeed.infer.sample_run import load_model, resolve
+    from tests import harness
+
+    ema, weights = harness.run(1, job_train_and_save, str(tmp_path / "run"))[0]
+    opts = {
+        "run": str(tmp_path / "run"), "checkpoint": None, "classes": None, "prompts": None, "n": 1,
+        "steps": 2, "sampler": "euler", "guidance": 1.0, "seed": 0, "out": str(tmp_path / "s"),
+        "score": False, "nproc": 1, "device": "cpu",
+    }  # fmt: skip
+    mesh = comm.ParallelDims().build(comm.init())
+    for no_ema, want in ((False, ema), (True, weights)):
+        job = resolve({**opts, "no_ema": no_ema})
+        model = load_model(job, mesh)
+        for n, p in model.named_parameters():
+            assert torch.equal(p.detach(), want[n].to(p.dtype)), (no_ema, n)
+    assert any(not torch.equal(ema[n], weights[n]) for n in ema)
