@@ -185,6 +185,7 @@ def test_draws_follow_the_sample_not_its_row():
         ([("memory.chunked_loss", "true")], "memory.chunked_loss=true applies to language models"),
         ([("flow.t_std", "0")], "flow.t_std=0.0 must be > 0"),
         ([("flow.ema_decay", "1")], r"flow.ema_decay=1.0 must be in \[0, 1\)"),
+        ([("parallel.pp", "2")], "flow.ema_decay=0.5 with parallel.pp=2: the EMA is not gathered across"),
         ([("data.path", "/nonexistent/imgs")], "data.path='/nonexistent/imgs' does not exist; give 'digits'"),
     ],
 )
