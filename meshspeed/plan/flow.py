@@ -59,11 +59,6 @@ def check_flow(cfg, config) -> None:
         raise ConfigError(f"flow.label_dropout={f.label_dropout} must be a probability in [0, 1] (0.1)")
     if not 0.0 <= f.ema_decay < 1.0:
         raise ConfigError(f"flow.ema_decay={f.ema_decay} must be in [0, 1): 0 = off, e.g. 0.999")
-    if f.ema_decay > 0 and p.pp > 1:  # each stage averages its own layers; the save gathers one stage
-        raise ConfigError(
-            f"flow.ema_decay={f.ema_decay} with parallel.pp={p.pp}: the EMA is not gathered across "
-            "pipeline stages yet; use pp=1 (dp/ZeRO, tp, cp keep it) or flow.ema_decay=0"
-        )
     if f.sample_n < 0 or f.sample_steps < 1:
         raise ConfigError(
             f"flow.sample_n={f.sample_n} / flow.sample_steps={f.sample_steps}: use sample_n ≥ 0 "

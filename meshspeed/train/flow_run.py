@@ -15,6 +15,8 @@ dp-only model) loads it as it loads the weights.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from meshspeed import comm
@@ -60,6 +62,27 @@ class BucketEMA(NoEMA):
                 local = flat[s.offset : s.offset + s.numel].view(s.shape)
                 sharding = placement.sharding_of(self.dp.params[s.name])  # tp's split, if any
                 out[s.name] = placement.full_tensor(local, self.mesh, sharding).cpu().clone()
+        return self._across_stages(out) if self.mesh["pp"].size > 1 else out
+
+    def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every pipeline stage's averages on every rank (collective over pp): the names and
+        shapes travel as JSON bytes, the values as one flat float32 vector per stage."""
+        pp, dev = self.mesh["pp"], self.mesh.ctx.device
+        head = torch.tensor(
+            list(json.dumps([[n, list(t.shape)] for n, t in mine.items()]).encode()), dtype=torch.uint8
+        )
+        lens = comm.all_gather(torch.tensor([head.numel()], device=dev), pp).tolist()
+        heads = comm.all_gather(head.to(dev), pp, sizes=lens).cpu().split(lens)
+        layout = [json.loads(bytes(h.tolist()).decode()) for h in heads]  # per stage: [[name, shape]]
+        counts = [sum(torch.Size(shape).numel() for _, shape in stage) for stage in layout]
+        flat = torch.cat([t.reshape(-1) for t in mine.values()]) if mine else torch.zeros(0)
+        flats = comm.all_gather(flat.float().to(dev), pp, sizes=counts).cpu().split(counts)
+        out = {}
+        for stage, values in zip(layout, flats, strict=True):
+            for (name, shape), v in zip(
+                stage, values.split([torch.Size(s).numel() for _, s in stage]), strict=True
+            ):
+                out[name] = v.reshape(shape).clone()
         return out
 
     def extra(self) -> dict:
