@@ -176,6 +176,10 @@ class CommContext:
         self.forced_algos = cost_model.parse_algo_env(os.environ.get("MESHSPEED_ALGO", ""))
         self.link_params = self._shared_link_params()
         self._groups: dict[tuple, Group] = {}
+        # Keys of groups split off without this rank: torch's new_group must be called by every
+        # rank for every group, so a member's cache hit must be one here too, or a repeated
+        # split would make a group on some ranks and not on others (and hang).
+        self._split_elsewhere: set[tuple] = set()
         self._meshes: dict = {}  # ParallelDims -> Mesh: building twice would double every group
         pg = dist.group.WORLD if world_size > 1 else None
         self.world = Group(self, pg, list(range(world_size)), "world", backend_timeout_s)
@@ -225,7 +229,7 @@ class CommContext:
             ranks = [int(r) for r in ranks]
             key = (label, tuple(ranks))
             group = self._groups.get(key)
-            if group is None:
+            if group is None and key not in self._split_elsewhere:
                 pg = None
                 if len(ranks) > 1:
                     with gloo_transport.shared(self.backend):
@@ -235,6 +239,8 @@ class CommContext:
                         self, pg, ranks, f"{label}[{_compact(ranks)}]", self.group_timeout.total_seconds()
                     )
                     self._groups[key] = group
+                else:  # made without this rank: a repeat of the split must not make it again
+                    self._split_elsewhere.add(key)
             if self.rank in ranks:
                 mine = group
         if mine is None:
@@ -295,6 +301,7 @@ class CommContext:
         for group in self._groups.values():
             group.close()  # its worker thread joined, its process group dropped
         self._groups.clear()
+        self._split_elsewhere.clear()
         self._meshes.clear()
         self.world.pg = None
         dist.destroy_process_group()

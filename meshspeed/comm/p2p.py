@@ -31,12 +31,19 @@ class P2PHandle:
     def __init__(self, group: Group, works: list, ops: list[P2P], entries: list[dict]):
         self._group, self._works, self._ops, self._entries = group, works, ops, entries
         self._deadline = group.p2p_deadline()
+        self._done: set[int] = set()
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
 
-    def wait(self) -> None:
-        for work, op, entry in zip(self._works, self._ops, self._entries):
+    def wait(self, kind: str | None = None) -> None:
+        """Wait for every transfer, or only those of `kind` ("recv": a caller that must not
+        block on its own sends). A backend that coalesced the batch into one work waits all."""
+        coalesced = len(self._works) != len(self._ops)
+        for i, (work, op, entry) in enumerate(zip(self._works, self._ops, self._entries)):
+            if i in self._done or (kind is not None and op.kind != kind and not coalesced):
+                continue
+            self._done.add(i)  # waiting a completed gloo receive again hung (seen): once only
             try:
                 wait_work(work, self._deadline, self._group.plain_wait)
             except Stall as stall:

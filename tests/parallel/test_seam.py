@@ -1,0 +1,79 @@
+"""The seam between two module meshes (meshspeed/parallel/seam.py): a vision-language model
+whose encoder and decoder run in different layouts equals the one-device model — loss, every
+encoder gradient and every decoder gradient — colocated with per-module degrees (encoder dp 4
+while the decoder runs tp 2 x dp 2) and disaggregated (the encoder on its own ranks, its
+features sent point to point), at world sizes 2, 3 and 4.
+
+The vlm family's own modules (models/vlm.py), shrunk: the step is benchmarks/vlm_layouts.py's,
+the one the benchmark times. Batches divide unevenly where they can (6 images over 4 encoder
+ranks: one encodes none) to catch off-by-one slices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.vlm_layouts import Layout, Modules, batch, is_encoder, reference
+from meshspeed.comm.placement import full_grad
+from meshspeed.models import ModelConfig
+from tests import harness
+
+# 6 heads, text and vision (the recipe checks both for any tp), so tp 2 and 3 divide; 8 x 8
+# images in 2 x 2 patches merged 2 x 2: 4 tokens each
+CFG = dict(
+    family="vlm", dim=48, n_layers=1, n_heads=6, n_kv_heads=6, vocab_size=66, ffn_hidden=96,
+    max_seq_len=32, image_size=8, patch_size=2, vision_dim=24, vision_layers=1, vision_heads=6,
+    merge_size=2, image_token_id=65,
+)  # fmt: skip
+
+
+def _close(got, want, what: str) -> list[str]:
+    scale = max(1.0, want.abs().max().item())  # float32 sums reassociated over ranks
+    if got is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-6 * scale):
+        err = None if got is None else (got - want).abs().max().item()
+        return [f"{what}: max err {err}"]
+    return []
+
+
+def job_seam(ctx, layout: Layout, n: int) -> list[str]:
+    cfg = ModelConfig(**CFG)
+    data = batch(cfg, n, text=5)
+    ref, ref_loss, want = reference(cfg, data)
+    mods = Modules(ctx, ref, layout)
+    bad = []
+    for _ in range(2):  # twice: a send left pending by the first step must not corrupt the second
+        mods.zero_grad()
+        loss = mods.step(data)
+    if loss is not None:
+        bad += _close(loss, ref_loss, "loss")
+    checked = 0
+    for model, mesh, mine in ((mods.enc, mods.enc_mesh, True), (mods.dec, mods.dec_mesh, False)):
+        if model is None:
+            continue
+        for name, p in model.named_parameters():
+            if is_encoder(name) == mine:
+                bad += _close(full_grad(p, mesh), want[name], f"{'encoder' if mine else 'decoder'} {name}")
+                checked += 1
+    if not checked:
+        bad.append("this rank checked no gradient")
+    return bad
+
+
+# (world size, layout, images): every world size colocated and disaggregated. Images divide the
+# decoder dp (its ranks average equal-sized means), not always the encoder dp.
+CASES = [
+    (2, Layout((0, 1), 2, 1, (0, 1), 1, 2), 3),  # encoder dp 2, decoder tp 2
+    (2, Layout((0,), 1, 1, (1,), 1, 1), 2),  # disaggregated 1 + 1
+    (3, Layout((0, 1, 2), 3, 1, (0, 1, 2), 1, 3), 4),  # encoder dp 3, decoder tp 3
+    (3, Layout((0,), 1, 1, (1, 2), 2, 1), 4),  # encoder on 0, decoder dp 2 on 1-2
+    (4, Layout((0, 1, 2, 3), 4, 1, (0, 1, 2, 3), 2, 2), 6),  # encoder dp 4, decoder tp 2 x dp 2
+    (4, Layout((0, 1), 2, 1, (2, 3), 1, 2), 3),  # encoder dp 2 on 0-1, decoder tp 2 on 2-3
+    (4, Layout((0, 1), 1, 2, (2, 3), 2, 1), 4),  # encoder tp 2 on 0-1, decoder dp 2 on 2-3
+    (4, Layout((0,), 1, 1, (1, 2, 3), 3, 1), 3),  # encoder on 0, decoder dp 3 on 1-3
+]
+
+
+@pytest.mark.parametrize("ws,layout,n", CASES, ids=[f"ws{c[0]}-{c[1]}".replace(" ", "") for c in CASES])
+def test_seam_layouts_equal_one_device(ws, layout, n):
+    assert harness.run(ws, job_seam, layout, n) == [[]] * ws, str(layout)
