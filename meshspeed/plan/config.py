@@ -72,6 +72,8 @@ def _coerce(key: str, raw: Any, typ: type, choices: tuple | None):
 
 def _set(cfg: Config, key: str, raw: Any) -> None:
     section, _, name = key.partition(".")
+    if section == "modules":  # modules.encoder.ranks (Megatron's per-module spelling) = encoder_ranks
+        name = name.replace(".", "_")
     if not name:
         if section != "nproc":
             raise ConfigError(f"unknown setting {key!r}; settings look like section.key, e.g. train.steps")
@@ -172,7 +174,9 @@ def load(path: str | None = None, overrides: list[tuple[str, str]] | None = None
         for key, value in data.items():
             if isinstance(value, dict):
                 for name, v in value.items():
-                    _set(cfg, f"{key}.{name}", v)
+                    # [modules.encoder] tables: one level deeper, flattened to encoder_<key>
+                    for sub, w in v.items() if isinstance(v, dict) else [("", v)]:
+                        _set(cfg, f"{key}.{name}" + (f".{sub}" if sub else ""), w)
             else:
                 _set(cfg, key, value)
     for key, raw in overrides or []:
@@ -322,8 +326,11 @@ def add_arguments(parser) -> None:
         for f in fields(cls):
             choices = f.metadata.get("choices")
             extra = f" ({'|'.join(map(str, choices))})" if choices else ""
+            # [modules]: --modules.encoder.ranks spelled as Megatron/MindSpeed users would, too
+            alias = [f"--{section}.{f.name.replace('_', '.', 1)}"] if section == "modules" else []
             group.add_argument(
                 f"--{section}.{f.name}",
+                *alias,
                 dest=f"{section}.{f.name}",
                 default=None,
                 metavar=hints[f.name].__name__.upper(),

@@ -34,6 +34,7 @@ from meshspeed.parallel.context import check_cp
 from meshspeed.parallel.tensor import check_tp, parallelize
 from meshspeed.parallel.zero3 import check_zero3
 from meshspeed.plan import config as config_mod
+from meshspeed.plan import modules as per_module
 from meshspeed.plan.device import plan_device
 from meshspeed.plan.estimate import estimate_memory
 from meshspeed.plan.experts import apply_expert_parallel, check_experts, with_moe_settings
@@ -56,6 +57,7 @@ class RunPlan:
     total_params: int = 0
     ranks: list = field(default_factory=list)  # per rank: rank, coords, params, memory
     warnings: list = field(default_factory=list)
+    modules: dict = field(default_factory=dict)  # [modules]: per-module layout (plan/modules.py)
     device: str = "cpu"  # cpu | cuda: run.device resolved for this node's GPUs (workers follow it)
     device_info: dict = field(default_factory=dict)  # backend, local_ranks, local_gpus, why
 
@@ -307,7 +309,8 @@ def make_plan(
 
     config_mod.validate(cfg)
     _check_run_dir(cfg)
-    dims, microbatches = resolve_layout(cfg, world_size)
+    # [modules] disaggregated: parallel.* lays out the decoder over the ranks the encoder leaves
+    dims, microbatches = resolve_layout(cfg, per_module.decoder_world(cfg, world_size))
     device = plan_device(cfg, world_size, local_gpus, local_ranks)
     config, recipe, weights = _model(cfg)
     config = with_moe_settings(cfg, config)
@@ -344,6 +347,15 @@ def make_plan(
             f"{plan.bubble:.0%} of the step; raise train.global_batch_size to ≥ "
             f"{p.pp * cfg.train.micro_batch_size * dims.dp} (≥ pp micro-batches)"
         )
+    if per_module.active(cfg):
+        plan.modules = per_module.plan_modules(
+            cfg, config, recipe, world_size, dims, microbatches, device.device
+        )
+        if need_data:  # a plan for a run that starts: the trainer does not build [modules] yet
+            raise ConfigError(
+                "[modules] per-module layouts are planned (--dry-run) and run model-level "
+                "(parallel/seam.py, benchmarks/vlm.py), not by the trainer yet; unset modules.* to train"
+            )
     if ranks:
         plan.total_params, counts = rank_params(recipe, dims, layouts if p.pp > 1 else None, cfg)
         for rank, n in enumerate(counts):
@@ -431,6 +443,8 @@ def describe(plan: RunPlan) -> str:
                 extra.append(f"saved on the device: {saves}")
             if extra:
                 lines.append("      " + "; ".join(extra))
+    if plan.modules:  # the table above is the decoder's ranks (parallel.*), numbered from 0
+        lines += per_module.describe(plan.modules)
     for w in plan.warnings:
         lines.append(f"  warning      {w}")
     return "\n".join(lines)

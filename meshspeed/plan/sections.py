@@ -418,6 +418,26 @@ class FlowSection:
 
 
 @dataclass
+class ModulesSection:
+    """Per-module layouts of a multi-module model (family vlm: the image encoder, ViT + projector;
+    the decoder takes parallel.*): Megatron's --encoder-tensor-model-parallel-size and MindSpeed
+    dist-train's per-model rank lists, as `--modules.encoder.ranks 0-1` (or `encoder_ranks`).
+    The seam between the two is meshspeed/parallel/seam.py; docs/multimodal.md."""
+
+    encoder_ranks: str = opt(
+        "",
+        "ranks that run only the encoder, e.g. '0-1' (disaggregated: the decoder on the other ranks, "
+        "the features sent point to point); empty = the encoder on every rank (colocated)",
+    )
+    encoder_dp: int = opt(
+        0,
+        "the encoder's own data-parallel degree (e.g. 4 while the decoder runs tp 2 x dp 2); 0 = its "
+        "ranks / encoder_tp, or one layout for the whole model when nothing in [modules] is set",
+    )
+    encoder_tp: int = opt(1, "the encoder's own tensor-parallel degree (its heads and MLP split)")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -430,6 +450,7 @@ class Config:
     moe: MoeSection = field(default_factory=MoeSection)
     dpo: DpoSection = field(default_factory=DpoSection)
     flow: FlowSection = field(default_factory=FlowSection)
+    modules: ModulesSection = field(default_factory=ModulesSection)
     nproc: int = opt(4, "local worker processes to spawn when not launched by torchrun")
 
     def to_dict(self) -> dict:
