@@ -44,7 +44,7 @@ NOT_RUN = {
 }
 # what a command needs installed (the dev extra; a minimal install skips it with the reason)
 NEEDS = {
-    r"--png|--plot|pp_trace true": "matplotlib",
+    r"--png|--plot|pp_trace true|post_training\.py": "matplotlib",
     r"benchmarks[./](parallelize|generate|trainer_overhead)\b|hf_llama\.py": "transformers",
 }
 TIMEOUT = {"ci": 300, "slow": 900}
@@ -200,6 +200,21 @@ def trained_dit(tmp_path_factory):
     return d / "runs" / "dit-tiny"
 
 
+@pytest.fixture(scope="session")
+def trained_post(tmp_path_factory):
+    """runs/sft and runs/dpo (from runs/sft) of docs/post-training.md, 2 steps each on the arith
+    task's 400 questions, for the eval --pairs and generate --chat commands that read them."""
+    d = tmp_path_factory.mktemp("trained_post")
+    arith = ["meshspeed", "data", "prepare", "--kind", "arith", "--out", "data/arith", "--count", "400"]
+    _ok(run(arith, d, 300), "meshspeed data prepare --kind arith")
+    base = ["meshspeed", "train", "--nproc", "1", "--parallel.tp", "1", "--data.path", "data/arith"]
+    base += ["--train.seq_len", "48", "--train.steps", "2", "--checkpoint.interval", "0"]
+    _ok(run(base + ["--train.objective", "sft", "--run.dir", "runs/sft"], d, 300), "runs/sft")
+    dpo = ["--train.objective", "dpo", "--model.init_from", "runs/sft", "--run.dir", "runs/dpo"]
+    _ok(run(base + dpo, d, 300), "runs/dpo")
+    return d / "runs"
+
+
 def _workdir(tmp_path):
     for name in ("configs", "examples"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
@@ -215,6 +230,13 @@ def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
         shutil.copytree(request.getfixturevalue("trained_dit"), cwd / "runs" / "dit-tiny", symlinks=True)
     if re.search(r"runs/big\b", text):
         shutil.copytree(request.getfixturevalue("trained_big"), cwd / "runs" / "big", symlinks=True)
+    # runs/sft for a command that starts from it; runs/dpo with runs/sft (its recorded reference)
+    if re.search(r"--model\.init_from runs/sft\b", text):
+        post = ["sft"]
+    else:
+        post = ["sft", "dpo"] if re.search(r"--checkpoint runs/(sft|dpo)\b", text) else []
+    for name in post:
+        shutil.copytree(request.getfixturevalue("trained_post") / name, cwd / "runs" / name, symlinks=True)
     if "./tiny-llama" in text:
         convert = ["meshspeed", "convert", "--checkpoint", "runs/tiny", "--to-hf", "tiny-llama"]
         _ok(run(convert, cwd, 300), "runs/tiny to tiny-llama")
