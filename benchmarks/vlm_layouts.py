@@ -145,12 +145,12 @@ class Modules:
         S.reduce_producer_grads(self.enc_params(), self.seam)
         dp = self.dec_mesh["dp"] if self.dec is not None else None
         if dp is not None and dp.size > 1:  # the decoder's own dp: mean loss per rank, averaged
-            for p in self.dec_params():
-                if p.grad is not None:
-                    comm.all_reduce(p.grad, dp)
-                    p.grad.div_(dp.size)
+            grads = [p.grad for p in self.dec_params() if p.grad is not None]
+            flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), dp)  # one call, not one each
+            for g, piece in zip(grads, flat.div_(dp.size).split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
             loss = comm.all_reduce(loss.detach().clone(), dp) / dp.size
-        return loss
+        return None if loss is None else loss.detach()
 
     def zero_grad(self) -> None:
         for m in (self.enc, self.dec):

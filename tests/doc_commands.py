@@ -50,6 +50,7 @@ QUICK: dict[str, list[str]] = {
     "moe": "--ep 2 --dim 32 --hidden 64 --tokens 64 --steps 1 --pp-ep 2 --pp-dim 32 --pp-seq 16",
     "generate": "--hidden 64 --layers 2 --vocab 256 --batch 2 --prompt-len 8 --new 4 --rounds 1 --device cpu",
     "context_parallel": "--seq 128 --heads 4 --kv-heads 2 --head-dim 16 --steps 1",
+    "vlm": "--nproc 2 --batch 4 --text 8 --steps 1 --warmup 0",
     "tp_overlap": "--tp 2 --dim 128 --seq 32 --batch 2 --steps 1 --rounds 1 --chunks 2",
     "sparse_step": "--preset tiny --steps 7 --interval 3 --repeat 1 --batch 4 --seq-len 32",
     "gpu_report": "",

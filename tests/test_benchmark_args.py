@@ -29,6 +29,9 @@ CASES = [
     ("sparse_linear", ["--shapes", "128by256"], "--shapes '128by256': write INxOUT@TOKENS"),
     ("zero3", ["--batch", "3"], "--batch=3 must be a multiple of --nproc=2"),
     ("build_memory", ["--tp", "0"], "--tp=0 must be >= 1"),
+    ("vlm", ["--batch", "5"], "--batch 5: must be a multiple of each layout's decoder dp [2, 3, 4]"),
+    ("vlm", ["--preset", "tiny"], "--preset tiny: not a vlm preset"),
+    ("vlm", ["--nproc", "1"], "--nproc 1: the layouts need at least 2 ranks"),
 ]
 
 

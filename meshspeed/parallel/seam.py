@@ -282,13 +282,21 @@ def reduce_producer_grads(params, seam: Seam, consumer_averages: bool = True) ->
     if not seam.producer.member:
         return
     group, div = seam.producer["dp"], producer_grad_divisor(seam, consumer_averages)
+    grads = []
     for p in params:
-        if p.grad is None:  # a rank that encoded no rows still joins every reduction
+        if p.grad is None:  # a rank that encoded no rows still joins the reduction
             p.grad = torch.zeros_like(p)
-        if group.size > 1:
-            C.all_reduce(p.grad, group)
-        if div != 1:
-            p.grad.div_(div)
+        grads.append(p.grad)
+    if not grads:
+        return
+    # one flat all-reduce, not one per parameter: each blocking call pays the peers' wait
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group.size > 1:
+        C.all_reduce(flat, group)
+    if div != 1:
+        flat.div_(div)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
 
 
 __all__ = ["Pending", "Seam", "drive", "placeholder", "reduce_producer_grads", "reslice", "start", "wait"]

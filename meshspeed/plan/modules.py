@@ -184,7 +184,19 @@ def predict(cfg, config, layout: dict, machine: Machine, microbatches: int) -> d
         return 2 * (dp - 1) * (machine.alpha_us * 1e-6 + nbytes / dp / (machine.intra_gbs * 1e9))
 
     dp_s = allreduce(layout.get("enc_params", 0), e["dp"]) + allreduce(layout.get("dec_params", 0), d["dp"])
-    total = compute + seam_exposed + dp_s
+
+    def tp_comm(tp: int, layers: int, rows: int, width: int) -> float:
+        # Megatron's 2 all-reduces forward and 2 backward per block of [rows, width] activations,
+        # each blocking between two computes (+ the wait for peers on shared cores: sync_s)
+        if tp < 2:
+            return 0.0
+        one = 2 * (tp - 1) / tp * rows * width * elem / (machine.intra_gbs * 1e9)
+        return 4 * layers * (2 * machine.alpha_us * 1e-6 + one + machine.sync_s(tp))
+
+    n_patch = (config.image_size // config.patch_size) ** 2
+    tp_s = m * tp_comm(e["tp"], config.vision_layers, imgs * n_patch, config.vision_dim)
+    tp_s += m * tp_comm(d["tp"], config.n_layers, t.micro_batch_size * t.seq_len, config.dim)
+    total = compute + seam_exposed + dp_s + tp_s
     return {
         "step_s": total,
         "encoder_s": m * t_enc,
@@ -192,6 +204,7 @@ def predict(cfg, config, layout: dict, machine: Machine, microbatches: int) -> d
         "seam_s": m * seam,
         "seam_exposed_s": seam_exposed,
         "dp_s": dp_s,
+        "tp_s": tp_s,
         "machine": machine.name,
     }
 
@@ -248,6 +261,7 @@ def describe(layout: dict) -> list[str]:
         f"    predicted step {p['step_s'] * 1e3:.1f} ms on {p['machine']}: "
         f"encoder {p['encoder_s'] * 1e3:.1f} ms, "
         f"decoder {p['decoder_s'] * 1e3:.1f} ms, seam p2p {p['seam_s'] * 1e3:.2f} ms "
-        f"({p['seam_exposed_s'] * 1e3:.2f} exposed), dp reductions {p['dp_s'] * 1e3:.2f} ms"
+        f"({p['seam_exposed_s'] * 1e3:.2f} exposed), dp reductions {p['dp_s'] * 1e3:.2f} ms, "
+        f"tp all-reduces {p['tp_s'] * 1e3:.2f} ms"
     )
     return lines
