@@ -120,6 +120,10 @@ def run(args) -> int:
             from meshspeed.infer.sample_run import after_training
 
             after_training(cfg)
+        if rc == 0 and plan.model.get("family") == "vlm":  # held-out captions of the final weights
+            from meshspeed.infer.captions import after_training as captions_after_training
+
+            captions_after_training(cfg)
         return rc
     finally:
         lock.release()  # the kernel drops it too if this process dies

@@ -214,11 +214,16 @@ class VisionLanguageEmbedding(nn.Module):
             images = patchify(images, c.patch_size, c.merge_size)
         return self.projector(self.vision(images))
 
-    def forward(self, tokens: torch.Tensor, images: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, images: torch.Tensor | None = None, features: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """features: image_features(images) computed before (a decoding loop runs the ViT once)."""
         h = self.tok_embeddings(tokens)
-        if images is None:
+        if features is None and images is not None:
+            features = self.image_features(images)
+        if features is None:
             return h
-        return scatter_image_features(h, tokens == self.config.image_token_id, self.image_features(images))
+        return scatter_image_features(h, tokens == self.config.image_token_id, features)
 
 
 def mrope_positions(tokens: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -286,10 +291,15 @@ class VLM(nn.Module):
             self.embed.vision.init_rope(device)
 
     def forward(
-        self, tokens: torch.Tensor, images: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        images: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """images: [batch, 3, H, W] or [batch, n_patch, 3*p*p]; positions: [3, batch, seq]
-        M-RoPE positions (default: from the placeholders in `tokens`)."""
+        M-RoPE positions (default: from the placeholders in `tokens`); features: the images'
+        embed.image_features, when computed before (instead of images)."""
         if positions is None:
             if self.embed is None:
                 raise ValueError("a stage without the embedding takes hidden states: pass positions")
@@ -299,7 +309,7 @@ class VLM(nn.Module):
                     f"{self.config.max_seq_len}; raise max_seq_len or feed shorter sequences"
                 )
             positions = mrope_positions(tokens, self.config)
-        h = self.embed(tokens, images) if self.embed is not None else tokens
+        h = self.embed(tokens, images, features) if self.embed is not None else tokens
         cos, sin = mrope_tables(self, positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
@@ -353,8 +363,16 @@ def recipe(config: ModelConfig) -> Recipe:
         build=lambda: VLM(config),
         init=init,
         loss=cross_entropy_loss,
+        # stage 0 runs the embedding unit on (tokens, images); the micro-batch also carries the
+        # M-RoPE positions [3, micro, seq], which every stage's blocks read (the runtime's
+        # micro_positions), since the later stages never see the tokens' placeholders
         pipeline=PipelineUnits(
-            embedding="embed", layers="layers", head=("norm", "output"), layer_args=mrope_args
+            embedding="embed",
+            layers="layers",
+            head=("norm", "output"),
+            layer_args=mrope_args,
+            inputs=("tokens", "images"),
+            embed=lambda model, tokens, images: model.embed(tokens, images),
         ),
         tp_plan=tp_plan(config),
         tp_divides={

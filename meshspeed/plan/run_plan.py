@@ -39,6 +39,7 @@ from meshspeed.plan.device import plan_device
 from meshspeed.plan.estimate import estimate_memory
 from meshspeed.plan.experts import apply_expert_parallel, check_experts, with_moe_settings
 from meshspeed.plan.flow import check_flow, check_image_data
+from meshspeed.plan.vlm import check_vlm, check_vlm_data
 
 
 @dataclass
@@ -186,6 +187,8 @@ def _check_data(cfg, config: ModelConfig, need: bool = True) -> str | None:
 
     if cfg.train.objective == "flow":  # images, not tokens: no tokenizer or token file to check
         return check_image_data(cfg, need)
+    if config.family == "vlm":  # images and captions (the byte tokenizer's ids)
+        return check_vlm_data(cfg, need)
     d = cfg.data
     if not need:
         missing = [
@@ -315,6 +318,7 @@ def make_plan(
     config, recipe, weights = _model(cfg)
     config = with_moe_settings(cfg, config)
     check_flow(cfg, config)  # dit with objective flow, and what dit runs with so far
+    check_vlm(cfg, config)  # vlm with objective sft, the layouts built for it, its data
     _check_model(cfg, config, recipe)
     layouts, sim = check_pipeline(cfg, recipe, microbatches)
     data_note = _check_data(cfg, config, need_data)

@@ -111,8 +111,9 @@ def arith_split(directory: str, kind: str, tokenizer, seq_len: int, packing: boo
     return tuple(chat.load_pairs(f, tokenizer, seq_len) for f in files)
 
 
-def make_loaders(cfg, tokenizer, dp_rank: int, dp_size: int):
-    """(training loader, validation loader) for `train.objective`, each with
+def make_loaders(cfg, tokenizer, dp_rank: int, dp_size: int, model_config=None):
+    """(training loader, validation loader) for `train.objective` (a vlm: `model_config`, else
+    resolved from cfg), each with
     `batches(step) -> [micro-batch dicts of this dp rank]` and `global_batch(step)`."""
     t, d = cfg.train, cfg.data
     if t.objective == "lm":
@@ -128,10 +129,23 @@ def make_loaders(cfg, tokenizer, dp_rank: int, dp_size: int):
         from meshspeed.data.images import load_image_records
 
         train, val = load_image_records(d.path or "digits")
+    elif t.objective == "sft" and (vlm := vlm_config(cfg, model_config)) is not None:
+        from meshspeed.train.vlm_run import caption_records  # images + captions
+
+        train, val = caption_records(d.path, vlm, t.seq_len)
     else:
         train, val = record_splits(cfg, tokenizer, t.objective)
     args = (t.global_batch_size, t.micro_batch_size, dp_rank, dp_size)
     return RecordLoader(train, *args, seed=t.seed), RecordValidation(val, *args, max_batches=t.eval_batches)
+
+
+def vlm_config(cfg, config=None):
+    """The ModelConfig (given, else resolved from cfg) when it is a vlm's, else None."""
+    if config is None:
+        from meshspeed.plan.run_plan import resolve_model
+
+        config = resolve_model(cfg)[0]
+    return config if config.family == "vlm" else None
 
 
 def prepare_rows(rows: Batch, *, cp=None, packing_eot: int | None = None, packing: bool = False):

@@ -24,6 +24,12 @@ def micro_inputs(mb, units, device) -> tuple[torch.Tensor, ...]:
     return tuple(x.to(device) for x in xs)
 
 
+def micro_positions(mb, default: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's own positions when it carries them (a vlm's M-RoPE [3, micro, seq], which
+    a later stage cannot derive: it never sees the tokens), else the runtime's [seq]."""
+    return mb["positions"] if isinstance(mb, dict) and "positions" in mb else default
+
+
 def micro_rows(mb, units) -> int:
     """Rows of a micro-batch: the first dimension of what flows between stages."""
     return (mb[units.inputs[0]] if isinstance(mb, dict) else mb[0]).shape[0]
@@ -99,7 +105,7 @@ class ForwardOnly:
                     shape = (micro_rows(item, chunk.units), *self.shape[1:])
                     self.comm.post_recv(("eval", mb, c), src, shape, dtype)
                     h = self.comm.take(("eval", mb, c))
-                out = chunk.body(h, self.positions)
+                out = chunk.body(h, micro_positions(item, self.positions))
                 if chunk.is_last:
                     last(out, item)
                     continue

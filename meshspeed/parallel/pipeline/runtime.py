@@ -55,7 +55,13 @@ from meshspeed.parallel.pipeline.actions import (
     stage_of,
 )
 from meshspeed.parallel.pipeline.duet import Duet
-from meshspeed.parallel.pipeline.forward_only import ForwardOnly, held, micro_inputs, micro_targets
+from meshspeed.parallel.pipeline.forward_only import (
+    ForwardOnly,
+    held,
+    micro_inputs,
+    micro_positions,
+    micro_targets,
+)
 from meshspeed.parallel.pipeline.pairs import overlapped
 from meshspeed.parallel.pipeline.schedules import build_schedule, get_schedule
 from meshspeed.parallel.pipeline.split_backward import WeightGrad, split_backward
@@ -299,7 +305,7 @@ class PipelineRuntime(ForwardOnly):
 
     def _last(self, chunk, h, mb, training: bool) -> torch.Tensor:
         """The last stage's loss of micro-batch `mb` (its metrics kept for _reduce_losses)."""
-        forward = lambda: chunk.body(h, self.positions)  # noqa: E731
+        forward = lambda: chunk.body(h, micro_positions(mb, self.positions))  # noqa: E731
         if self.objective is not None:
             loss, metrics = self.objective(forward, mb)
             if metrics is not None:
@@ -327,7 +333,7 @@ class PipelineRuntime(ForwardOnly):
             self._losses.append(loss.detach())
             roots = [loss / m]
         else:
-            out = chunk.body(h, self.positions)
+            out = chunk.body(h, micro_positions(mb, self.positions))
             roots = [out]
             self._emit(F, a.microbatch, a.chunk, out.detach().contiguous())
         aux = chunk.aux_loss()

@@ -101,6 +101,10 @@ def make_objective(cfg, model_config=None) -> Objective:
     if name == "lm":
         return LM()
     if name == "sft":
+        if model_config is not None and model_config.family == "vlm":  # captions of images
+            from meshspeed.train.vlm_run import Caption
+
+            return Caption(model_config)
         return SFT()
     if name == "dpo":
         d = cfg.dpo
