@@ -66,12 +66,14 @@ def batch(cfg: ModelConfig, n: int, text: int, seed: int = 7):
     return tokens, targets, images
 
 
-def decode(model, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-    """The vlm decoder on precomputed image features [n, img_tok, dim]: the model's own forward
-    with `embed.image_features` replaced by the seam's output."""
+def decode(model, tokens: torch.Tensor, feats) -> torch.Tensor:
+    """The vlm decoder on image features [n, img_tok, dim] from the seam: the model's own forward
+    with `embed.image_features` replaced by `feats()`, called once the text embedding and the
+    rotary tables are done, so they run while the features are in flight."""
     cfg = model.config
-    h = scatter_image_features(model.embed.tok_embeddings(tokens), tokens == cfg.image_token_id, feats)
+    h = model.embed.tok_embeddings(tokens)
     cos, sin = mrope_tables(model, mrope_positions(tokens, cfg))
+    h = scatter_image_features(h, tokens == cfg.image_token_id, feats())
     for layer in model.layers.values():
         h = layer(h, cos, sin)
     return model.output(model.norm(h))
@@ -137,7 +139,7 @@ class Modules:
             offs = chunk_bounds(n, self.dec_mesh.dims.dp)
             i = self.dec_mesh.coords["dp"]
             tok, tgt = tokens[offs[i] : offs[i + 1]], targets[offs[i] : offs[i + 1]]
-            loss = loss_fn(self.dec)(decode(self.dec, tok, S.wait(pending)), tgt)
+            loss = loss_fn(self.dec)(decode(self.dec, tok, lambda: S.wait(pending)), tgt)
             loss.backward()
         else:
             S.drive(S.wait(pending))

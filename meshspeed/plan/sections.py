@@ -422,7 +422,7 @@ class ModulesSection:
     """Per-module layouts of a multi-module model (family vlm: the image encoder, ViT + projector;
     the decoder takes parallel.*): Megatron's --encoder-tensor-model-parallel-size and MindSpeed
     dist-train's per-model rank lists, as `--modules.encoder.ranks 0-1` (or `encoder_ranks`).
-    The seam between the two is meshspeed/parallel/seam.py; docs/multimodal.md."""
+    The seam between the two is meshspeed/parallel/seam.py; the plan's side plan/modules.py."""
 
     encoder_ranks: str = opt(
         "",

@@ -77,3 +77,68 @@ CASES = [
 @pytest.mark.parametrize("ws,layout,n", CASES, ids=[f"ws{c[0]}-{c[1]}".replace(" ", "") for c in CASES])
 def test_seam_layouts_equal_one_device(ws, layout, n):
     assert harness.run(ws, job_seam, layout, n) == [[]] * ws, str(layout)
+
+
+# --- the routing table alone (no processes): every layout, every row ---------------------------
+
+
+class _FakeMesh:
+    """What Seam's routing reads of a ModuleMesh: dims, ranks, coords_of."""
+
+    def __init__(self, dims, ranks):
+        self.dims, self.ranks = dims, tuple(ranks)
+
+    def coords_of(self, r):
+        return self.dims.coords(self.ranks.index(r))
+
+
+def _routes(enc: _FakeMesh, dec: _FakeMesh, world: int, n: int):
+    from meshspeed.parallel.seam import Seam
+
+    out = {}
+    for me in range(world):
+        s = Seam.__new__(Seam)  # the routing only: no groups
+        s.producer, s.consumer, s.me, s._routes = enc, dec, me, {}
+        out[me] = s.route(n)
+    return out
+
+
+ROUTE_CASES = [  # (world, encoder (ranks, dp, tp), decoder (ranks, dp, tp), rows)
+    (4, ((0, 1, 2, 3), 4, 1), ((0, 1, 2, 3), 2, 2), 6),
+    (4, ((0, 1, 2, 3), 2, 2), ((0, 1, 2, 3), 4, 1), 5),
+    (4, ((0, 1), 1, 2), ((2, 3), 1, 2), 3),
+    (5, ((0, 1), 2, 1), ((2, 3, 4), 3, 1), 7),
+    (6, ((0, 1, 2, 3, 4, 5), 3, 2), ((0, 1, 2, 3, 4, 5), 2, 3), 5),
+]
+
+
+@pytest.mark.parametrize("world,enc,dec,n", ROUTE_CASES)
+def test_every_row_goes_once_and_its_gradient_comes_back_once(world, enc, dec, n):
+    """Forward: each consumer rank receives every row of its dp slice exactly once (fan-in), and
+    every send has its receive. Backward: each row's gradient reaches each replica of its
+    producer block exactly once per consumer dp slice holding it — one tp peer returns it, not
+    all of them (tp peers hold the same gradient: returning it from each would count it tp times)."""
+    from collections import Counter
+
+    from meshspeed.comm import ParallelDims
+    from meshspeed.comm.placement import chunk_bounds
+
+    E = _FakeMesh(ParallelDims(dp=enc[1], tp=enc[2]), enc[0])
+    D = _FakeMesh(ParallelDims(dp=dec[1], tp=dec[2]), dec[0])
+    routes = _routes(E, D, world, n)
+    sends = Counter((me, peer, lo, hi) for me, rt in routes.items() for peer, lo, hi in rt.fwd_send)
+    recvs = Counter((peer, me, lo, hi) for me, rt in routes.items() for peer, lo, hi in rt.fwd_recv)
+    assert sends == recvs
+    offs = chunk_bounds(n, D.dims.dp)
+    for r in D.ranks:
+        got = sorted(row for _, lo, hi in routes[r].fwd_recv for row in range(lo, hi))
+        i = D.coords_of(r)["dp"]
+        assert got == list(range(offs[i], offs[i + 1])), r
+    bsend = Counter((me, peer, lo, hi) for me, rt in routes.items() for peer, lo, hi in rt.bwd_send)
+    brecv = Counter((peer, me, lo, hi) for me, rt in routes.items() for peer, lo, hi in rt.bwd_recv)
+    assert bsend == brecv
+    eoffs = chunk_bounds(n, E.dims.dp)
+    for h in E.ranks:
+        j = E.coords_of(h)["dp"]
+        per_row = Counter(row for _, lo, hi in routes[h].bwd_recv for row in range(lo, hi))
+        assert per_row == Counter(range(eoffs[j], eoffs[j + 1])), h  # once each: no tp double count
