@@ -14,12 +14,17 @@ Export: --checkpoint DIR --to-hf OUT writes OUT with config.json, safetensors sh
 and, when the run used a Hugging Face tokenizer, its files: what
 transformers.AutoModelForCausalLM.from_pretrained(OUT) loads. Sparse weights are exported masked.
 Query/key rows are permuted between Hugging Face's rotate-half RoPE layout and meshspeed's
-interleaved one (exact; see meshspeed/models/hf.py)."""
+interleaved one (exact; see meshspeed/models/hf.py).
+Diffusion transformers: --from-hf also takes a diffusers DiTTransformer2DModel directory
+(config.json + diffusion_pytorch_model.safetensors), and --to-hf on a dit checkpoint writes one
+that diffusers' DiTTransformer2DModel.from_pretrained loads: the EMA of the weights when the
+checkpoint holds it (what meshspeed sample uses), the trained weights with --no-ema."""
 
 EXAMPLES = """examples:
   meshspeed convert --from-hf ~/models/Llama-3.1-8B --out runs/llama31
   meshspeed train --model.init_from ~/models/Llama-3.1-8B --data.tokenizer ~/models/Llama-3.1-8B ...
   meshspeed convert --checkpoint runs/llama31 --to-hf exported/ --dtype bfloat16
+  meshspeed convert --checkpoint runs/dit-tiny --to-hf exported-dit/      # diffusers, EMA weights
 """
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -72,6 +77,11 @@ def register(sub) -> None:
         metavar="MB",
         help="with --to-hf: largest safetensors shard (default 2048)",
     )
+    p.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="with --to-hf on a dit checkpoint: export the trained weights, not their EMA",
+    )
     p.set_defaults(func=run)
 
 
@@ -107,7 +117,11 @@ def run(args) -> int:
 
             path = convert_from_hf(args.from_hf, args.out, dtype or torch.float32, overwrite=args.overwrite)
             print(f"wrote meshspeed checkpoint {path}\ntrain from it with: --model.init_from {args.out}")
+        elif _family(args.checkpoint) == "dit":
+            return _export_dit(args, dtype)
         else:
+            if args.no_ema:
+                return _fail("--no-ema applies to a dit checkpoint (the EMA of a flow run); drop it")
             from meshspeed.interop.hf_export import export_checkpoint
 
             files = export_checkpoint(
@@ -126,4 +140,22 @@ def run(args) -> int:
         return _fail(str(err))
     except OSError as err:  # a full disk, a permission: one line naming the file, not a traceback
         return _fail(str(disk_error(err, err.filename or "the output") or f"{err.strerror}: {err.filename}"))
+    return 0
+
+
+def _family(path: str) -> str:
+    from meshspeed.interop.model_source import checkpoint_model_config
+
+    return checkpoint_model_config(path).family
+
+
+def _export_dit(args, dtype) -> int:
+    """A dit checkpoint out as a diffusers DiTTransformer2DModel directory."""
+    from meshspeed.interop.diffusers_io import export_diffusers, weights_note
+
+    if args.tokenizer:
+        return _fail(f"--tokenizer {args.tokenizer!r}: a diffusers DiT has no tokenizer; drop it")
+    export_diffusers(args.checkpoint, args.to_hf, dtype=dtype, ema=not args.no_ema, overwrite=args.overwrite)
+    note = weights_note(args.checkpoint, not args.no_ema)
+    print(f"wrote {args.to_hf}: diffusers DiTTransformer2DModel, {note}")
     return 0

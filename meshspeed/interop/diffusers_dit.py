@@ -51,6 +51,7 @@ def config_from_diffusers(dcfg: dict) -> ModelConfig:
         ("activation_fn", "gelu-approximate"),
         ("attention_bias", True),
         ("norm_elementwise_affine", False),
+        ("dropout", 0.0),  # dit has no dropout: training from it would not be diffusers' training
     ):
         if dcfg.get(key, want) != want:
             raise ValueError(
@@ -147,6 +148,23 @@ def to_diffusers(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, 
         for suffix in ("weight", "bias") if "linear" in d else ("weight",):
             for i in range(config.n_layers):
                 out[_EMB.format(i=i) + f"{d}.{suffix}"] = sd[f"{m}.{suffix}"].clone()
+    return out
+
+
+def diffusers_sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """dit parameter -> the diffusers tensors holding it: one, or (the shared conditioning
+    embedder) every block's copy, which must be equal. x_embedder.proj.weight is the Conv2d's
+    [dim, C, p, p] weight flattened to [dim, C·p·p] (row-major, so rows stay rows)."""
+    out = {}
+    for suffix in ("weight", "bias"):
+        out[f"x_embedder.proj.{suffix}"] = (f"pos_embed.proj.{suffix}",)
+        out.update({f"{m}.{suffix}": (f"{d}.{suffix}",) for d, m in _TOP.items()})
+        for i in range(config.n_layers):
+            for d, m in _BLOCK.items():
+                out[f"blocks.{i}.{m}.{suffix}"] = (f"transformer_blocks.{i}.{d}.{suffix}",)
+    for d, m in _SHARED.items():
+        for suffix in ("weight", "bias") if "linear" in d else ("weight",):
+            out[f"{m}.{suffix}"] = tuple(_EMB.format(i=i) + f"{d}.{suffix}" for i in range(config.n_layers))
     return out
 
 

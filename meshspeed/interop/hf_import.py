@@ -36,7 +36,10 @@ def is_hf_dir(path: str) -> bool:
 
 class SafetensorsFiles:
     """A `save_pretrained` directory's safetensors: per tensor name the file holding it (the
-    single file wins over an index, transformers' order), and windowed reads of one tensor."""
+    single file wins over an index, transformers' order), and windowed reads of one tensor.
+    SINGLE / INDEX: the file names (diffusers writes diffusion_pytorch_model.* instead)."""
+
+    SINGLE, INDEX = SINGLE, INDEX
 
     def __init__(self, path: str, setting: str):
         self.path = path
@@ -50,7 +53,7 @@ class SafetensorsFiles:
             raise ConfigError(
                 f"{setting}={self.path!r} is a file, not a directory; {what} (the file's folder)"
             )
-        index, single = os.path.join(self.path, INDEX), os.path.join(self.path, SINGLE)
+        index, single = os.path.join(self.path, self.INDEX), os.path.join(self.path, self.SINGLE)
         if os.path.isfile(single):  # transformers' order: the single file wins over an index
             return {k: single for k in read_safetensors_header(single)}
         if os.path.isfile(index):
@@ -59,7 +62,7 @@ class SafetensorsFiles:
         hint = (
             f" (it holds {bins[0]}: re-save it with save_pretrained(safe_serialization=True))" if bins else ""
         )
-        raise ConfigError(f"{setting}={self.path!r} has neither {SINGLE} nor {INDEX}{hint}")
+        raise ConfigError(f"{setting}={self.path!r} has neither {self.SINGLE} nor {self.INDEX}{hint}")
 
     def _open(self, name: str):
         # Opened per use, not kept: the recipe (and so this object) lives as long as training,
@@ -215,6 +218,25 @@ def hf_recipe(ckpt: HFCheckpoint, config: ModelConfig | None = None) -> Recipe:
     return dataclasses.replace(recipe_for(config or ckpt.config), init=HFInit(ckpt))
 
 
+def open_model_dir(path: str, setting: str):
+    """A Hugging Face directory opened for reading: a diffusers DiTTransformer2DModel (its
+    config.json names a `_class_name`) or a transformers causal LM."""
+    from meshspeed.interop.diffusers_io import DiffusersCheckpoint, is_diffusers_dir  # it imports us
+
+    return DiffusersCheckpoint(path, setting) if is_diffusers_dir(path) else HFCheckpoint(path, setting)
+
+
+def source_recipe(ckpt, config: ModelConfig | None = None) -> Recipe:
+    """The recipe whose init reads `ckpt` (open_model_dir's, or a directory path for it)."""
+    from meshspeed.interop.diffusers_io import DiffusersCheckpoint, diffusers_recipe
+
+    if isinstance(ckpt, str):
+        ckpt = open_model_dir(ckpt, "model.init_from")
+    if isinstance(ckpt, DiffusersCheckpoint):
+        return diffusers_recipe(ckpt, config)
+    return hf_recipe(ckpt, config)
+
+
 def init_from(cfg, setting: str = "model.init_from") -> tuple[ModelConfig, Recipe, str | None]:
     """What the trainer builds for `model.init_from`: (model config, recipe, meshspeed checkpoint
     to load weights from after building, or None when the recipe's init reads them itself).
@@ -227,8 +249,8 @@ def init_from(cfg, setting: str = "model.init_from") -> tuple[ModelConfig, Recip
         k, v = next(iter(sizes.items()))
         raise ConfigError(f"model.{k}={v} cannot change a model loaded with {setting}={path!r}; drop it")
     if is_hf_dir(path):
-        ckpt = HFCheckpoint(path, setting)
-        config, recipe, weights = ckpt.config, hf_recipe(ckpt), None
+        ckpt = open_model_dir(path, setting)
+        config, recipe, weights = ckpt.config, source_recipe(ckpt), None
     else:
         weights = path
         config = checkpoint_model_config(path, setting)
@@ -255,7 +277,7 @@ def convert_from_hf(path: str, out: str, dtype: torch.dtype = torch.float32, ove
     from meshspeed.checkpoint.lock import RunDirLock
     from meshspeed.parallel.materialize import build_parallel_model
 
-    ckpt = HFCheckpoint(path)
+    ckpt = open_model_dir(path, "--from-hf")
     with RunDirLock(out, "--out", "meshspeed convert"):
         found = step_dirs(out)
         if found and not overwrite:
@@ -267,8 +289,12 @@ def convert_from_hf(path: str, out: str, dtype: torch.dtype = torch.float32, ove
         ctx = comm.init(device="cpu")  # files in, files out: the GPU stays untouched
         try:
             mesh = comm.ParallelDims().build(ctx)
-            model = build_parallel_model(hf_recipe(ckpt), mesh, dtype=dtype)
-            extra = {"model_config": dataclasses.asdict(ckpt.config), "hf_config": json.dumps(ckpt.hf_config)}
+            model = build_parallel_model(source_recipe(ckpt), mesh, dtype=dtype)
+            extra = {"model_config": dataclasses.asdict(ckpt.config)}
+            if hasattr(ckpt, "diffusers_config"):  # kept for the export back (diffusers_io.py)
+                extra["diffusers_config"] = json.dumps(ckpt.diffusers_config)
+            else:
+                extra["hf_config"] = json.dumps(ckpt.hf_config)
             return save_checkpoint(out, 0, model, None, mesh, extra=extra, keep=None)
         finally:
             ctx.close()

@@ -25,7 +25,7 @@ from meshspeed.comm import ConfigError
 from meshspeed.comm.errors import echo
 from meshspeed.data.tokenizer import load_tokenizer
 from meshspeed.interop.hf_export import export_hf, source_hf_config
-from meshspeed.interop.hf_import import HFCheckpoint, hf_recipe
+from meshspeed.interop.hf_import import source_recipe
 from meshspeed.memory import chunked_model_loss, offload_optimizer, share_fp32_masters
 from meshspeed.models import recipe_for
 from meshspeed.models.flops import flops_per_token
@@ -73,8 +73,9 @@ class Trainer:
         self.model_config = self.plan.model_config()
         init_weights = self.plan.weights  # model.init_from a meshspeed checkpoint: loaded once built
         if cfg.model.init_from and init_weights is None:
-            # a Hugging Face directory: the recipe's init reads this rank's slices of its files
-            self.recipe = hf_recipe(HFCheckpoint(cfg.model.init_from, "model.init_from"), self.model_config)
+            # a Hugging Face (transformers or diffusers) directory: the recipe's init reads this
+            # rank's slices of its files
+            self.recipe = source_recipe(cfg.model.init_from, self.model_config)
         else:
             self.recipe = recipe_for(self.model_config)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
