@@ -209,10 +209,24 @@ def predict(cfg, config, layout: dict, machine: Machine, microbatches: int) -> d
     }
 
 
+def attach(plan, cfg, config, recipe, dec_dims: ParallelDims, microbatches: int, starts: bool) -> None:
+    """Set RunPlan.modules: the resolved per-module layout with its memory and predicted step
+    ({} without [modules]). `starts`: the plan is for a run that starts (it needs its data),
+    refused while the trainer does not build per-module layouts."""
+    plan.modules = plan_modules(cfg, config, recipe, plan.world_size, dec_dims, microbatches, plan.device)
+    if plan.modules and starts:
+        raise ConfigError(
+            "[modules] per-module layouts are planned (--dry-run) and run model-level "
+            "(parallel/seam.py, benchmarks/vlm.py), not by the trainer yet; unset modules.* to train"
+        )
+
+
 def plan_modules(
     cfg, config, recipe, world: int, dec_dims: ParallelDims, microbatches: int, device: str
 ) -> dict:
-    """The resolved per-module layout with its memory and predicted step (for RunPlan.modules)."""
+    """The resolved per-module layout with its memory and predicted step ({} without [modules])."""
+    if not active(cfg):
+        return {}
     layout = resolve(cfg, config, world, dec_dims)
     check_tp(layout["encoder"]["tp"], recipe)
     layout["memory"] = memory(cfg, config, recipe, layout)
@@ -240,7 +254,9 @@ def _ranks(rs: list[int]) -> str:
 
 
 def describe(layout: dict) -> list[str]:
-    """The `meshspeed train --dry-run` lines of a per-module layout."""
+    """The `meshspeed train --dry-run` lines of a per-module layout (none for {})."""
+    if not layout:
+        return []
     e, dec, mem, p = layout["encoder"], layout["decoder"], layout["memory"], layout["predicted"]
     d = dec["dims"]
     lines = [

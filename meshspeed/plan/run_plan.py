@@ -35,6 +35,7 @@ from meshspeed.parallel.tensor import check_tp, parallelize
 from meshspeed.parallel.zero3 import check_zero3
 from meshspeed.plan import config as config_mod
 from meshspeed.plan import modules as per_module
+from meshspeed.plan.describe import describe  # noqa: F401 - the plan's text, beside the plan
 from meshspeed.plan.device import plan_device
 from meshspeed.plan.estimate import estimate_memory
 from meshspeed.plan.experts import apply_expert_parallel, check_experts, with_moe_settings
@@ -312,8 +313,7 @@ def make_plan(
 
     config_mod.validate(cfg)
     _check_run_dir(cfg)
-    # [modules] disaggregated: parallel.* lays out the decoder over the ranks the encoder leaves
-    dims, microbatches = resolve_layout(cfg, per_module.decoder_world(cfg, world_size))
+    dims, microbatches = resolve_layout(cfg, per_module.decoder_world(cfg, world_size))  # [modules]
     device = plan_device(cfg, world_size, local_gpus, local_ranks)
     config, recipe, weights = _model(cfg)
     config = with_moe_settings(cfg, config)
@@ -351,15 +351,7 @@ def make_plan(
             f"{plan.bubble:.0%} of the step; raise train.global_batch_size to ≥ "
             f"{p.pp * cfg.train.micro_batch_size * dims.dp} (≥ pp micro-batches)"
         )
-    if per_module.active(cfg):
-        plan.modules = per_module.plan_modules(
-            cfg, config, recipe, world_size, dims, microbatches, device.device
-        )
-        if need_data:  # a plan for a run that starts: the trainer does not build [modules] yet
-            raise ConfigError(
-                "[modules] per-module layouts are planned (--dry-run) and run model-level "
-                "(parallel/seam.py, benchmarks/vlm.py), not by the trainer yet; unset modules.* to train"
-            )
+    per_module.attach(plan, cfg, config, recipe, dims, microbatches, need_data)  # [modules], if set
     if ranks:
         plan.total_params, counts = rank_params(recipe, dims, layouts if p.pp > 1 else None, cfg)
         for rank, n in enumerate(counts):
@@ -373,91 +365,3 @@ def make_plan(
                 }
             )
     return plan
-
-
-# --- printing ---------------------------------------------------------------------------------
-
-
-def _expert_tp(d: dict) -> str:
-    """How the tp ranks hold experts, for the layout line (nothing when tp = 1)."""
-    if d["tp"] == 1:
-        return ""
-    mode = ParallelDims(tp=d["tp"], etp=d.get("etp", 0), tp_extend_ep=d.get("tp_extend_ep", False)).expert_tp
-    return {
-        "split": f", etp {d['tp']}",
-        "tokens": ", etp 1",
-        "fold": f", tp-extend-ep: {d['ep'] * d['tp']} expert ranks",
-    }[mode]
-
-
-def _gib(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def describe(plan: RunPlan) -> str:
-    """The plan as `meshspeed train --dry-run` prints it."""
-    c, d, m = plan.config, plan.dims, plan.model
-    t, p = c["train"], c["parallel"]
-    src = c["model"]["init_from"] or c["model"]["preset"]
-    lines = [
-        f"meshspeed train --dry-run: {src}, {plan.total_params:,} parameters, {plan.world_size} ranks",
-        f"  layout       pp {d['pp']} × dp {d['dp']} × cp {d['cp']} × tp {d['tp']} "
-        f"(ep {d['ep']}{_expert_tp(d) if m.get('n_experts') else ''}), "
-        f"zero {p['zero']}, sequence parallel {'on' if p['sequence_parallel'] else 'off'}, {t['dtype']}",
-        f"  model        {m['n_layers']} layers, dim {m['dim']}, heads {m['n_heads']}/{m['n_kv_heads']} kv, "
-        f"vocab {m['vocab_size']}"
-        + (f", {m['n_experts']} experts top {m['top_k']}" if m["n_experts"] else ""),
-        f"  device       {plan.device} ({plan.device_info.get('backend', 'gloo')}): "
-        f"{plan.device_info.get('why', '')}",
-        f"  batch        {t['global_batch_size']} sequences × {t['seq_len']} tokens per step; "
-        f"{plan.microbatches} micro-batch(es) of {t['micro_batch_size']} per rank",
-    ]
-    if d["pp"] > 1:
-        lines.append(
-            f"  pipeline     {p['pp_schedule']}, vpp {p['vpp']}, bubble {plan.bubble:.1%} of the step"
-        )
-        for s in plan.stages:
-            extra = "E " if s["embedding"] else ""
-            extra += f"layers {s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "no layers"
-            extra += " L" if s["head"] else ""
-            lines.append(f"    stage {s['stage']} (pp rank {s['rank']}, chunk {s['chunk']}): {extra}")
-    if plan.ranks:
-        lines.append(
-            "  per rank     params          memory estimate = params + grads + optimizer + activations"
-            " + buffers"
-        )
-        groups: dict = {}
-        for r in plan.ranks:  # ranks with the same figures on one line
-            key = (r["params"], r["memory"]["total"])
-            groups.setdefault(key, []).append(r["rank"])
-        for (n, total), members in groups.items():
-            mem = next(r["memory"] for r in plan.ranks if r["rank"] == members[0])
-            who = _ranges(members)
-            lines.append(
-                f"    ranks {who:<12} {n:>14,}  {_gib(total)} = {_gib(mem['params'])} + "
-                f"{_gib(mem['grads'])} + "
-                f"{_gib(mem['optimizer'])} + {_gib(mem['activations'])} + {_gib(mem['buffers'])}"
-            )
-            extra = [f"{_gib(mem['host'])} in host memory"] if mem.get("host") else []
-            if mem.get("saved"):  # [memory] features: the device bytes each takes off
-                saves = ", ".join(f"memory.{k} {_gib(v)} ({v:,} B)" for k, v in mem["saved"].items())
-                extra.append(f"saved on the device: {saves}")
-            if extra:
-                lines.append("      " + "; ".join(extra))
-    if plan.modules:  # the table above is the decoder's ranks (parallel.*), numbered from 0
-        lines += per_module.describe(plan.modules)
-    for w in plan.warnings:
-        lines.append(f"  warning      {w}")
-    return "\n".join(lines)
-
-
-def _ranges(xs: list[int]) -> str:
-    out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)

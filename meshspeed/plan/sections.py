@@ -419,21 +419,13 @@ class FlowSection:
 
 @dataclass
 class ModulesSection:
-    """Per-module layouts of a multi-module model (family vlm: the image encoder, ViT + projector;
-    the decoder takes parallel.*): Megatron's --encoder-tensor-model-parallel-size and MindSpeed
-    dist-train's per-model rank lists, as `--modules.encoder.ranks 0-1` (or `encoder_ranks`).
-    The seam between the two is meshspeed/parallel/seam.py; the plan's side plan/modules.py."""
+    """Per-module layouts (vlm: the image encoder; the decoder takes parallel.*), also spelled
+    `--modules.encoder.ranks 0-1` (Megatron's encoder-*, MindSpeed dist-train): plan/modules.py."""
 
     encoder_ranks: str = opt(
-        "",
-        "ranks that run only the encoder, e.g. '0-1' (disaggregated: the decoder on the other ranks, "
-        "the features sent point to point); empty = the encoder on every rank (colocated)",
+        "", "ranks running only the encoder, e.g. '0-1' (disaggregated); empty = every rank (colocated)"
     )
-    encoder_dp: int = opt(
-        0,
-        "the encoder's own data-parallel degree (e.g. 4 while the decoder runs tp 2 x dp 2); 0 = its "
-        "ranks / encoder_tp, or one layout for the whole model when nothing in [modules] is set",
-    )
+    encoder_dp: int = opt(0, "the encoder's own dp (e.g. 4 beside decoder tp 2 × dp 2); 0 = its ranks / tp")
     encoder_tp: int = opt(1, "the encoder's own tensor-parallel degree (its heads and MLP split)")
 
 
