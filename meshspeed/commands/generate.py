@@ -25,6 +25,12 @@ def register(sub) -> None:
     src.add_argument("--tokenizer", help="'bytes' or a Hugging Face tokenizer directory (default: the --hf "
                      "directory when it has tokenizer.json, else bytes)")  # fmt: skip
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument(
+        "--image",
+        metavar="FILE",
+        help="a vision-language model (family vlm, --checkpoint) captions this image (PNG/JPEG, "
+        "resized to the model's image_size), or answers each --prompt about it; greedy, tp/dp",
+    )
     p.add_argument("--prompts", metavar="FILE", help="text file, one prompt per line")
     p.add_argument(
         "--chat",
@@ -82,11 +88,13 @@ def run(args) -> int:
             SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
         except ValueError as e:
             raise ConfigError(f"--{e}") from None
+        if args.image:  # a vlm: the image's placeholders, then each prompt (infer/vlm_generate.py)
+            from meshspeed.infer.vlm_generate import resolve, worker
         job = resolve(opts)
     except (ConfigError, ValueError) as err:
         print(f"meshspeed generate: {err}", file=sys.stderr)
         return 2
-    if job["device_notice"]:
+    if job.get("device_notice"):
         print(f"meshspeed generate: warning: {job['device_notice']}", file=sys.stderr, flush=True)
     if args.nproc == 1:
         return launch.run_worker(worker, (job,))
