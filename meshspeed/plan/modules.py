@@ -19,6 +19,7 @@ faster one (the pipeline's fill and drain) and the seam's exposed transfers.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.comm.module_mesh import parse_ranks
@@ -28,7 +29,7 @@ from meshspeed.models.flops import flops_per_token
 from meshspeed.models.vlm_config import image_tokens, vision_flops_per_image
 from meshspeed.parallel.tensor import check_tp, parallelize
 from meshspeed.plan.estimate import BYTES
-from meshspeed.plan.machine import Machine, get_machine
+from meshspeed.plan.machine import Machine, calibration_path, get_machine
 
 ENCODER = ("embed.vision", "embed.projector")  # the vlm recipe's encoder FQN prefixes
 VIT_SAVED_PER_PATCH = 18  # ViT block tensors autograd keeps per patch, in units of vision_dim
@@ -233,7 +234,10 @@ def plan_modules(
     elem = BYTES[cfg.train.dtype]
     layout["enc_params"] = layout["memory"]["encoder"]["params"] // elem
     layout["dec_params"] = layout["memory"]["decoder"]["params"] // elem
-    machine = get_machine("cpu" if device == "cpu" else "h100")
+    # this machine's `meshspeed plan --calibrate` when there is one (the CPU defaults know nothing
+    # of a shared machine's waits), else the named defaults
+    calibrated = device == "cpu" and os.path.exists(calibration_path())
+    machine = get_machine("calibrated" if calibrated else "cpu" if device == "cpu" else "h100")
     layout["predicted"] = predict(cfg, config, layout, machine, microbatches)
     return layout
 
