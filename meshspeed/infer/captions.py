@@ -32,7 +32,9 @@ def greedy(model, config, prefix: torch.Tensor, images: torch.Tensor, max_new: i
     tokens, done = prefix, torch.zeros(prefix.shape[0], dtype=torch.bool)
     features = model.embed.image_features(images)  # the ViT once, not at every step
     for _ in range(max_new):
-        logits = model(tokens, None, mrope_positions(tokens, config), features)[:, -1]
+        logits = model(tokens, None, mrope_positions(tokens, config), features)[:, -1].clone()
+        # never a placeholder: a generated one would be read as part of an image next step
+        logits[:, config.image_token_id] = float("-inf")
         nxt = logits.argmax(-1).cpu()
         tokens = torch.cat([tokens, torch.where(done, eos, nxt).to(tokens)[:, None]], dim=1)
         done |= nxt == eos
