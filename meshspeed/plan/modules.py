@@ -242,6 +242,33 @@ def plan_modules(
     return layout
 
 
+def evaluate(cfg, plan, machine: Machine, settings: dict, headroom: float) -> dict:
+    """The planner's verdict on a plan with [modules] (planner.evaluate's contract): its fullest
+    module rank against the machine's memory, and the per-module step on this machine."""
+    layout, config = plan.modules, plan.model_config()
+    fullest = max(m["total"] for m in layout["memory"].values())
+    limit = machine.memory_gib * 2**30 * (1 - headroom)
+    if fullest > limit:
+        return {
+            "settings": settings,
+            "rejected": f"memory {fullest / 2**30:.1f} GiB per rank > {limit / 2**30:.1f} GiB",
+        }
+    p = predict(cfg, config, layout, machine, plan.microbatches)
+    params = max(layout["enc_params"], layout["dec_params"])
+    optimizer = 30 * params / (machine.mem_bw_gbs * 1e9)  # the planner's per-parameter update cost
+    step = p["step_s"] + optimizer
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    flops = flops_per_token(config, cfg.train.seq_len) * tokens
+    mfu = flops / (step * plan.world_size * machine.peak_tflops * 1e12)
+    comm = {"seam": p["seam_exposed_s"], "dp": p["dp_s"], "tp": p["tp_s"]}
+    pred = {
+        "step_s": step, "tokens_per_s": tokens / step, "mfu": mfu,
+        "compute_s": step - optimizer - sum(comm.values()), "bubble_s": 0.0, "comm_s": comm,
+        "optimizer_s": optimizer, "memory_bytes": fullest, "bubble": 0.0, "modules": layout["mode"],
+    }  # fmt: skip
+    return {"settings": settings, "predicted": pred}
+
+
 def _gib(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:

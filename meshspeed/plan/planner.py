@@ -32,6 +32,7 @@ from meshspeed.comm.cost_model import predict
 from meshspeed.models.flops import flops_per_token, matmul_params
 from meshspeed.parallel.pipeline.layout import StageLayout
 from meshspeed.plan import config as config_mod
+from meshspeed.plan import modules as per_module
 from meshspeed.plan.estimate import BYTES, estimate_memory
 from meshspeed.plan.machine import Machine
 from meshspeed.plan.run_plan import make_plan, rank_params, resolve_model
@@ -263,6 +264,8 @@ def evaluate(cfg, world: int, machine: Machine, settings: dict, headroom: float 
         plan = make_plan(c, world, ranks=False, local_gpus=0, local_ranks=0, need_data=False)
     except ConfigError as err:
         return {"settings": settings, "rejected": str(err)}
+    if plan.modules:  # [modules]: per-module memory and step (plan/modules.py), on this machine
+        return per_module.evaluate(c, plan, machine, settings, headroom)
     counts = rank_counts(c, plan)
     memory = plan_memory(c, plan, counts)
     limit = machine.memory_gib * 2**30 * (1 - headroom)

@@ -80,3 +80,17 @@ def test_family_without_an_encoder_is_refused():
 def test_a_run_that_would_start_is_refused_until_the_trainer_builds_modules():
     with pytest.raises(ConfigError, match="not by the trainer yet"):
         _plan(("parallel.tp", "2"), ("modules.encoder.dp", "4"), run=True)
+
+
+def test_the_planner_predicts_a_per_module_layout_on_its_machine():
+    """planner.evaluate on settings with [modules]: the per-module memory and step (seam included)
+    on the planner's machine, in the planner's result shape."""
+    from meshspeed.plan.machine import get_machine
+    from meshspeed.plan.planner import evaluate
+
+    cfg = config.load(None, VLM + [("modules.encoder.ranks", "0-1")])
+    r = evaluate(cfg, 4, get_machine("h100"), {"parallel.tp": 2, "parallel.dp": 0})
+    p = r["predicted"]
+    assert p["modules"] == "disaggregated" and p["comm_s"]["seam"] > 0 and p["step_s"] > p["optimizer_s"] > 0
+    tiny = evaluate(cfg, 4, get_machine("h100", memory_gib=1e-4), {"parallel.tp": 2, "parallel.dp": 0})
+    assert tiny["rejected"].startswith("memory")
