@@ -142,3 +142,45 @@ def test_every_row_goes_once_and_its_gradient_comes_back_once(world, enc, dec, n
         j = E.coords_of(h)["dp"]
         per_row = Counter(row for _, lo, hi in routes[h].bwd_recv for row in range(lo, hi))
         assert per_row == Counter(range(eoffs[j], eoffs[j + 1])), h  # once each: no tp double count
+
+
+# --- disaggregated: neither side waits for the other's receive --------------------------------
+
+
+def job_nonblocking(ctx) -> list[str]:
+    """The encoder (rank 0) returns from the forward before the decoder (rank 1) has posted its
+    receive, and the decoder returns from its backward before the encoder receives the gradient:
+    each side announces its return in the store and the other waits for that before posting its
+    receive, so a seam that blocked on its sends would hang (and time out) here. 4 MiB of rows:
+    more than a socket buffers, so a blocking send could not complete early."""
+    from datetime import timedelta
+
+    from meshspeed.comm import ParallelDims
+    from meshspeed.comm.module_mesh import ModuleMesh
+    from meshspeed.parallel import seam as S
+
+    enc = ModuleMesh("nb_enc", ParallelDims(), (0,), ctx)
+    dec = ModuleMesh("nb_dec", ParallelDims(), (1,), ctx)
+    seam, n, row = S.Seam(enc, dec), 4, (256, 1024)
+    store, wait = ctx.store, lambda key: ctx.store.wait([key], timedelta(seconds=15))
+    if ctx.rank == 0:
+        x = torch.arange(n * 256 * 1024, dtype=torch.float32).view(n, *row).requires_grad_()
+        y = S.reslice(seam, x * 1.0, n)
+        store.set("seam_nb/fwd", "1")  # returned: the decoder has not received yet
+        wait("seam_nb/bwd")  # the decoder's backward returned before this rank receives
+        S.drive(y)
+        seam.flush()
+        return [] if torch.equal(x.grad, torch.full_like(x, 3.0)) else ["encoder gradient wrong"]
+    wait("seam_nb/fwd")
+    y = S.reslice(seam, S.placeholder(row), n)
+    (3.0 * y).sum().backward()
+    store.set("seam_nb/bwd", "1")
+    seam.flush()  # done once rank 0 received: it has read both keys, so a rerun starts clean
+    for key in ("seam_nb/fwd", "seam_nb/bwd"):
+        store.delete_key(key)
+    want = torch.arange(n * 256 * 1024, dtype=torch.float32).view(n, *row)
+    return [] if torch.equal(y.detach(), want) else ["decoder rows wrong"]
+
+
+def test_disaggregated_seam_never_waits_for_the_other_side():
+    assert harness.run(2, job_nonblocking) == [[], []]
