@@ -119,6 +119,11 @@ def run(args) -> int:
             print(f"wrote meshspeed checkpoint {path}\ntrain from it with: --model.init_from {args.out}")
         elif _family(args.checkpoint) == "dit":
             return _export_dit(args, dtype)
+        elif _family(args.checkpoint) == "vlm":  # a transformers Qwen2-VL directory
+            from meshspeed.interop.hf_vlm_io import export_vlm_checkpoint
+
+            files = export_vlm_checkpoint(args.checkpoint, args.to_hf, dtype, overwrite=args.overwrite)
+            print(f"wrote {len(files)} files to {args.to_hf} (transformers' Qwen2VLForConditionalGeneration)")
         else:
             if args.no_ema:
                 return _fail("--no-ema applies to a dit checkpoint (the EMA of a flow run); drop it")

@@ -222,7 +222,10 @@ def open_model_dir(path: str, setting: str):
     """A Hugging Face directory opened for reading: a diffusers DiTTransformer2DModel (its
     config.json names a `_class_name`) or a transformers causal LM."""
     from meshspeed.interop.diffusers_io import DiffusersCheckpoint, is_diffusers_dir  # it imports us
+    from meshspeed.interop.hf_vlm_io import Qwen2VLCheckpoint, is_qwen2_vl_dir
 
+    if is_qwen2_vl_dir(path):  # a vision-language model (family vlm)
+        return Qwen2VLCheckpoint(path, setting)
     return DiffusersCheckpoint(path, setting) if is_diffusers_dir(path) else HFCheckpoint(path, setting)
 
 
@@ -234,6 +237,8 @@ def source_recipe(ckpt, config: ModelConfig | None = None) -> Recipe:
         ckpt = open_model_dir(ckpt, "model.init_from")
     if isinstance(ckpt, DiffusersCheckpoint):
         return diffusers_recipe(ckpt, config)
+    if hasattr(ckpt, "state"):  # a Qwen2-VL directory (hf_vlm_io.Qwen2VLCheckpoint): converted whole
+        return ckpt.recipe(config)
     return hf_recipe(ckpt, config)
 
 
