@@ -153,6 +153,17 @@ def _check_experts(model: nn.Module, mesh: comm.Mesh, load_from) -> bool:
     return has and ep > 1
 
 
+def _check_diffusers(model: nn.Module, zero: int) -> None:
+    """diffusers' DiTTransformer2DModel runs block 0's conditioning embedder again after the last
+    block (for proj_out's adaLN), outside block 0's forward, where ZeRO-3 has freed it."""
+    if zero == 3 and type(model).__name__ == "DiTTransformer2DModel":
+        raise ConfigError(
+            "parallelize: zero=3 on a diffusers DiTTransformer2DModel: its forward calls "
+            "transformer_blocks[0].norm1.emb outside block 0, after ZeRO-3 released it; use zero=2 "
+            "(or train meshspeed's dit: meshspeed train --model.init_from <the diffusers directory>)"
+        )
+
+
 def _unplaced(model: nn.Module, tp: int) -> ConfigError:
     """One line: the first module a tp plan would have to place, and how to pass one."""
     name, mod = next(
@@ -252,6 +263,7 @@ def parallelize(
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
     _check_memory(model, recompute, chunked_loss)
+    _check_diffusers(model, zero)
     units = _blocks(model, blocks) if zero == 3 or recompute != "none" else None
     split_ep = _check_experts(model, mesh, load_from)
     loading = load_sharded.plan_load(model, load_from) if load_sharded.check_meta(model, load_from) else None
