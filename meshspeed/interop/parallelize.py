@@ -153,15 +153,12 @@ def _check_experts(model: nn.Module, mesh: comm.Mesh, load_from) -> bool:
     return has and ep > 1
 
 
-def _check_diffusers(model: nn.Module, zero: int) -> None:
+def _diffusers_root(model: nn.Module) -> None:
     """diffusers' DiTTransformer2DModel runs block 0's conditioning embedder again after the last
-    block (for proj_out's adaLN), outside block 0's forward, where ZeRO-3 has freed it."""
-    if zero == 3 and type(model).__name__ == "DiTTransformer2DModel":
-        raise ConfigError(
-            "parallelize: zero=3 on a diffusers DiTTransformer2DModel: its forward calls "
-            "transformer_blocks[0].norm1.emb outside block 0, after ZeRO-3 released it; use zero=2 "
-            "(or train meshspeed's dit: meshspeed train --model.init_from <the diffusers directory>)"
-        )
+    block (for proj_out's adaLN), outside block 0's forward: ZeRO-3 keeps every block's embedder
+    in the root unit (gathered through forward and backward), not in its block (zero3.py)."""
+    if type(model).__name__ == "DiTTransformer2DModel":
+        object.__setattr__(model, "ms_zero3_root", ("transformer_blocks.*.norm1.emb.*",))
 
 
 def _unplaced(model: nn.Module, tp: int) -> ConfigError:
@@ -263,7 +260,6 @@ def parallelize(
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
     _check_memory(model, recompute, chunked_loss)
-    _check_diffusers(model, zero)
     units = _blocks(model, blocks) if zero == 3 or recompute != "none" else None
     split_ep = _check_experts(model, mesh, load_from)
     loading = load_sharded.plan_load(model, load_from) if load_sharded.check_meta(model, load_from) else None
@@ -286,6 +282,7 @@ def parallelize(
         apply_recompute(model, "full", layers_attr=units)
     if chunked_loss:  # after the split: the head is then this rank's slice of the vocabulary
         hf_loss.chunk_loss_forward(model)
+    _diffusers_root(model)
     dp, opt = build_data_parallel(
         model,
         mesh,

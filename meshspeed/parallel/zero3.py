@@ -49,6 +49,7 @@ zero_prefetch (ZeRO-1/2's gather).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 
 import torch
 from torch import nn
@@ -90,8 +91,13 @@ def unit_layout(model: nn.Module, named: list[tuple[str, torch.Tensor]], blocks:
         )
     modules = {ROOT: model} | {f"{blocks}.{n}": m for n, m in container.named_children()}
 
+    # Parameters a model uses outside their block's forward stay in the root unit, gathered for
+    # the whole forward and backward: fnmatch patterns in `model.ms_zero3_root` (parallelize sets
+    # them for a diffusers DiT, whose forward reruns block 0's conditioning embedder at the end).
+    root = tuple(getattr(model, "ms_zero3_root", ()))
+
     def key(name: str) -> str:
-        if name.startswith(blocks + "."):
+        if name.startswith(blocks + ".") and not any(fnmatch.fnmatchcase(name, p) for p in root):
             return f"{blocks}.{name[len(blocks) + 1 :].split('.')[0]}"
         return ROOT
 

@@ -1,7 +1,8 @@
 """`meshspeed.parallelize` on a diffusers DiTTransformer2DModel (issue 41 item 7): a user's own
-rectified-flow loop on the parallelized diffusers model at dp 2 (ZeRO-1, ZeRO-2) equals the same
-loop on one process without meshspeed: the losses, every parameter's gradient (ZeRO-1, where the
-reduced gradients stay whole), the global gradient norms and the weights after the steps.
+rectified-flow loop on the parallelized diffusers model at dp 2 (ZeRO-1, -2 and -3, whose
+blocks' conditioning embedders stay in the root unit) equals the same loop on one process
+without meshspeed: the losses, every parameter's gradient (ZeRO-1, where the reduced gradients
+stay whole), the global gradient norms and the weights after the steps.
 
 The loop runs the model in eval() mode: in train() mode diffusers' class embedder drops labels
 itself (class_dropout_prob 0.1, torch's global RNG), so each rank would drop others than one
@@ -87,7 +88,7 @@ def job_loop(ctx, dims: dict, kw: dict, steps: int = STEPS):
     return losses, norms, grads, (state if ctx.rank == 0 else None)
 
 
-@pytest.mark.parametrize("kw", [dict(zero=1), dict(zero=2)], ids=["zero1", "zero2"])
+@pytest.mark.parametrize("kw", [dict(zero=1), dict(zero=2), dict(zero=3)], ids=["zero1", "zero2", "zero3"])
 def test_diffusers_dit_loop_at_dp2_equals_one_process(kw):
     want_losses, want_norms, want_grads, want_state = one_process()
     results = harness.run(2, job_loop, dict(dp=2), kw, timeout=120)
@@ -111,18 +112,3 @@ def test_diffusers_dit_loop_at_dp2_equals_one_process(kw):
             err = (state[n] - w).abs().max().item()
             # AdamW turns a 1e-9 rounding difference of a ~0 gradient into ~1e-5 of weight
             assert err < 1e-4, f"{n} after {STEPS} steps off by {err:.2e}"
-
-
-def job_refused(ctx):
-    import meshspeed
-
-    try:
-        meshspeed.parallelize(diffusers_model(), comm.ParallelDims(dp=2).build(ctx), zero=3)
-    except comm.ConfigError as e:
-        return str(e)
-    return None
-
-
-def test_zero3_is_refused_in_one_line():
-    msgs = harness.run(2, job_refused, timeout=60)
-    assert all(m and "\n" not in m and "zero=2" in m and "norm1.emb" in m for m in msgs), msgs
