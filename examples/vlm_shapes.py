@@ -3,6 +3,7 @@ with a plain torch loop (AdamW, no meshspeed trainer), and print the held-out ex
 rises from chance:
 
     python examples/vlm_shapes.py --seconds 120
+    python examples/vlm_shapes.py --png shape.png    # one held-out image, for generate --image
 
 first word: the caption's first word (the first object's colour; chance 1/4) predicted right;
 caption: every byte of the caption and its end token right (chance about 1/288). Both are greedy
@@ -38,6 +39,19 @@ def exact_match(model, data: dict, n_img: int, batch: int = 250) -> tuple[float,
     return first / n, whole / n
 
 
+def write_png(path: str) -> None:
+    """Held-out image 0 (seed 1) as an RGB PNG, and its caption."""
+    import numpy as np
+    from PIL import Image
+
+    from meshspeed.data.shapes import shape_captions
+
+    images, captions = shape_captions(1, seed=1, image_size=get_preset("vlm-tiny").image_size)
+    pixels = ((images[0].transpose(1, 2, 0) + 1) * 127.5).round().astype(np.uint8)
+    Image.fromarray(pixels).save(path)
+    print(f"wrote {path}: {captions[0]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=120.0, help="training time budget")
@@ -47,7 +61,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--eval_every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1, help="1 holds up best on a shared CPU")
+    ap.add_argument(
+        "--png", metavar="FILE", help="only write held-out image 0 as a PNG (for generate --image)"
+    )
     args = ap.parse_args()
+    if args.png:
+        return write_png(args.png)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 

@@ -1,4 +1,6 @@
-"""Image-caption records from a JSON-lines file, for a vision-language run (`data.path` a .jsonl):
+"""The image-caption records of a vision-language run's `data.path`: empty or "shapes" (the
+built-in shapes captions, data/shapes.py: 8,000 training records from seed 0, 500 held out from
+seed 1), "digits" (scikit-learn's digits, "the digit 7"), or a JSON-lines file:
 
     {"image": "images/0001.png", "caption": "a red square above a blue circle"}
 
@@ -10,13 +12,16 @@ only). The last tenth of the lines (at least one) is held out, in file order.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import numpy as np
 
 from meshspeed.data.corpus import DataError
-from meshspeed.data.shapes import _pack
+from meshspeed.data.shapes import pack_captions
+
+SHAPES_TRAIN, SHAPES_HELD_OUT = 8000, 500  # the built-in shapes: training (seed 0), held out (seed 1)
 
 
 def _image(path: str, size: int, where: str) -> np.ndarray:
@@ -62,6 +67,29 @@ def load_caption_jsonl(
     cut = len(captions) - max(1, len(captions) // 10)
     arr = np.stack(images)
     return (
-        _pack(arr[:cut], captions[:cut], n_image_tokens, image_token_id, seq_len),
-        _pack(arr[cut:], captions[cut:], n_image_tokens, image_token_id, seq_len),
+        pack_captions(arr[:cut], captions[:cut], n_image_tokens, image_token_id, seq_len),
+        pack_captions(arr[cut:], captions[cut:], n_image_tokens, image_token_id, seq_len),
     )
+
+
+def caption_splits(
+    path: str, image_size: int, n_img: int, token_id: int, seq_len: int, splits=("train", "val")
+):
+    """The `splits` records ("train", "val": held out) of `data.path` (see the module docstring)."""
+    return tuple(_split(path, image_size, n_img, token_id, seq_len, s) for s in splits)
+
+
+@functools.lru_cache(maxsize=4)  # a pooled worker builds many trainers on the same records
+def _split(path: str, image_size: int, n_img: int, token_id: int, seq_len: int, split: str) -> dict:
+    from meshspeed.data import shapes
+
+    kw = dict(image_size=image_size, n_image_tokens=n_img, image_token_id=token_id, seq_len=seq_len)
+    train = split == "train"
+    try:
+        if path in ("", "shapes"):  # held out: another seed
+            return shapes.shapes_task(SHAPES_TRAIN if train else SHAPES_HELD_OUT, seed=int(not train), **kw)
+        if path == "digits":
+            return shapes.digits_task("train" if train else "heldout", **kw)
+        return load_caption_jsonl(path, **kw)[int(not train)]
+    except ValueError as e:  # e.g. a caption longer than train.seq_len leaves room for
+        raise DataError(f"data.path={path or 'shapes'!r}: {e} (train.seq_len={seq_len})") from None

@@ -48,7 +48,7 @@ def _mask(shape: str, size: int, image_size: int, cy: int, cx: int) -> np.ndarra
     return (y >= top) & (y <= bottom) & (np.abs(x - cx) <= half)
 
 
-def _pack(
+def pack_captions(
     images: np.ndarray, captions: list[str], n_image_tokens: int, image_token_id: int, seq_len: int | None
 ) -> dict[str, torch.Tensor]:
     texts = [c.encode("utf-8") for c in captions]
@@ -111,7 +111,7 @@ def shapes_task(
 ) -> dict[str, torch.Tensor]:
     """n shape-captioning records from `seed` (a held-out split: another seed)."""
     images, captions = shape_captions(n, seed, image_size)
-    return _pack(images, captions, n_image_tokens, image_token_id, seq_len)
+    return pack_captions(images, captions, n_image_tokens, image_token_id, seq_len)
 
 
 def digits_task(
@@ -135,7 +135,7 @@ def digits_task(
     scale = image_size // 8
     grey = np.kron(pixels, np.ones((scale, scale))) / 8.0 - 1.0  # nearest-neighbour upscale
     images = np.repeat(grey[:, None], 3, axis=1)
-    return _pack(images, [f"the digit {d}" for d in target], n_image_tokens, image_token_id, seq_len)
+    return pack_captions(images, [f"the digit {d}" for d in target], n_image_tokens, image_token_id, seq_len)
 
 
 def caption_of(tokens: torch.Tensor, image_token_id: int = IMAGE_TOKEN_ID) -> str:

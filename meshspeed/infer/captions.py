@@ -111,14 +111,16 @@ def after_training(cfg) -> dict:
     """The end of `meshspeed train` on a vlm run (commands/train.py calls it in the launcher once
     the workers are done; train/ never imports infer/): the held-out records captioned greedily
     from the final checkpoint, the exact-match printed and written to run.dir/captions.json."""
-    from meshspeed.train.vlm_run import caption_records
+    from meshspeed.data.image_captions import caption_splits
+    from meshspeed.models.vlm_config import image_tokens
 
     t0 = time.perf_counter()
     ctx = comm.init(device="cpu")
     try:
         mesh = comm.ParallelDims(dp=1).build(ctx)
         model, config, path = load_run_model(cfg.run.dir, mesh, "run.dir")
-        (held,) = caption_records(cfg.data.path, config, cfg.train.seq_len, splits=("val",))
+        args = (config.image_size, image_tokens(config), config.image_token_id, cfg.train.seq_len)
+        (held,) = caption_splits(cfg.data.path, *args, splits=("val",))
         result = {**exact_match(model, config, held), "checkpoint": path}
     finally:
         ctx.close()

@@ -89,12 +89,27 @@ def decode(model, config, job: dict, rows: range) -> list[list[int]]:
     ]
 
 
+def gather_rows(local: list[list[int]], offs: list[int], group) -> list[list[int]]:
+    """Every replica's id lists (replica r holds rows offs[r]..offs[r+1]) in row order, on
+    every rank: one all-gather of [rows, longest] padded with -1 (the ids are never negative)."""
+    import torch
+
+    width = max([len(x) for x in local] + [1])
+    width = int(comm.all_reduce(torch.tensor([width], device=group.ctx.device), group, "max")[0])
+    pad = torch.full((offs[-1], width), -1, dtype=torch.long, device=group.ctx.device)
+    mine = pad[: len(local)].clone()
+    for i, ids in enumerate(local):
+        mine[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    sizes = [offs[r + 1] - offs[r] for r in range(group.size)]
+    rows = comm.all_gather(mine, group, sizes=sizes).tolist()
+    return [[t for t in row if t >= 0] for row in rows]
+
+
 def answer(job: dict, ctx) -> list[dict] | None:
     """On every rank of `ctx`: build the model in job's layout, load the weights, decode this
     rank's share; the rows {"prompt", "token_ids", "text"} in prompt order on rank 0, else None."""
     from meshspeed.comm.algorithms import bounds
     from meshspeed.infer.captions import load_run_model, text_of
-    from meshspeed.infer.parallel import _gather_lists
 
     mesh = comm.ParallelDims(tp=job["tp"], dp=job["dp"]).build(ctx)
     model, config, _ = load_run_model(job["checkpoint"], mesh, "--checkpoint")
@@ -102,7 +117,7 @@ def answer(job: dict, ctx) -> list[dict] | None:
     if job["dp"] > 1:  # replica r: prompts bounds(n, dp)[r]..[r+1], gathered back in order
         dp = mesh.group("dp")
         offs = bounds(n, dp.size)
-        out = _gather_lists(decode(model, config, job, range(offs[dp.rank], offs[dp.rank + 1])), dp)
+        out = gather_rows(decode(model, config, job, range(offs[dp.rank], offs[dp.rank + 1])), offs, dp)
     else:
         out = decode(model, config, job, range(n))
     if ctx.rank != 0:

@@ -16,43 +16,20 @@ through Pillow (data/image_captions.py), its last tenth held out.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from meshspeed.comm import ConfigError
+from meshspeed.data.image_captions import caption_splits
 from meshspeed.models.vlm import mrope_positions
 from meshspeed.models.vlm_config import image_tokens
 from meshspeed.train.objectives.lm import SFT
 
-SHAPES_TRAIN, SHAPES_HELD_OUT = 8000, 500
-BUILT_IN = ("", "shapes", "digits")
-
 
 def caption_records(path: str, config, seq_len: int, splits=("train", "val")) -> tuple[dict, ...]:
     """The `splits` records ("train", "val": held out) of `data.path` for the vlm `config` at
-    `train.seq_len`."""
-    args = (path, config.image_size, image_tokens(config), config.image_token_id, seq_len)
-    return tuple(_records(*args, split) for split in splits)
-
-
-@functools.lru_cache(maxsize=4)  # a pooled worker builds many trainers on the same records
-def _records(path: str, image_size: int, n_img: int, token_id: int, seq_len: int, split: str):
-    from meshspeed.data import shapes
-
-    kw = dict(image_size=image_size, n_image_tokens=n_img, image_token_id=token_id, seq_len=seq_len)
-    try:
-        if path in ("", "shapes"):  # held out: another seed
-            return shapes.shapes_task(
-                SHAPES_TRAIN if split == "train" else SHAPES_HELD_OUT, seed=int(split != "train"), **kw
-            )
-        if path == "digits":
-            return shapes.digits_task("train" if split == "train" else "heldout", **kw)
-        from meshspeed.data.image_captions import load_caption_jsonl
-
-        return load_caption_jsonl(path, **kw)[split != "train"]
-    except ValueError as e:  # e.g. a caption longer than train.seq_len leaves room for
-        raise ConfigError(f"data.path={path or 'shapes'!r}: {e} (train.seq_len={seq_len})") from None
+    `train.seq_len` (data/image_captions.py)."""
+    return caption_splits(
+        path, config.image_size, image_tokens(config), config.image_token_id, seq_len, splits
+    )
 
 
 class Caption(SFT):
