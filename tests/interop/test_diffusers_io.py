@@ -115,24 +115,25 @@ def test_directory_loads_into_dit_and_forward_equals_diffusers(tmp_path, sharded
 
 
 def job_start(ctx, run_dir: str, init_from: str, extra: list):
-    """(whole weights before any step on rank 0, first loss, elements this rank read)."""
-    from meshspeed.interop.diffusers_io import DiffusersCheckpoint
+    """(whole weights before any step on rank 0, first loss, elements this rank read from the
+    safetensors files: counted where the files are read, below the dit-name mapping)."""
+    from meshspeed.interop.hf_import import SafetensorsFiles
     from meshspeed.train.trainer import Trainer
     from tests.train.test_dit_trainer import whole_weights
 
-    read, orig = [], DiffusersCheckpoint.read
+    read, orig = [], SafetensorsFiles.read
 
     def counting(self, name, window):
         out = orig(self, name, window)
         read.append(out.numel())
         return out
 
-    DiffusersCheckpoint.read = counting
+    SafetensorsFiles.read = counting
     try:
         cfg = config.load(None, BASE + [("run.dir", run_dir), ("model.init_from", init_from)] + extra)
         trainer = Trainer(cfg, ctx)
     finally:
-        DiffusersCheckpoint.read = orig
+        SafetensorsFiles.read = orig
     weights = whole_weights(trainer)
     return (weights if ctx.rank == 0 else None), trainer.train_step(0)["loss"], sum(read)
 
