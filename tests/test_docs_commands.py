@@ -202,6 +202,17 @@ def trained_dit(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def trained_vlm(tmp_path_factory):
+    """runs/vlm-tiny: configs/vlm-tiny.toml trained 2 steps (docs/vlm.md's generate and convert
+    commands read it)."""
+    d = tmp_path_factory.mktemp("trained_vlm")
+    os.symlink(os.path.join(ROOT, "configs"), d / "configs")
+    argv = ["meshspeed", "train", "--config", "configs/vlm-tiny.toml", "--train.steps", "2"]
+    _ok(run(argv + ["--checkpoint.interval", "0"], d, 300), "runs/vlm-tiny")
+    return d / "runs" / "vlm-tiny"
+
+
+@pytest.fixture(scope="session")
 def trained_post(tmp_path_factory):
     """runs/sft and runs/dpo (from runs/sft) of docs/post-training.md, 2 steps each on the arith
     task's 400 questions, for the eval --pairs and generate --chat commands that read them."""
@@ -229,6 +240,12 @@ def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
         shutil.copytree(request.getfixturevalue("trained"), cwd / "runs" / "tiny", symlinks=True)
     if re.search(r"--run runs/dit-tiny\b", text):
         shutil.copytree(request.getfixturevalue("trained_dit"), cwd / "runs" / "dit-tiny", symlinks=True)
+    if re.search(r"runs/vlm-tiny\b|vlm-hf\b", text):  # docs/vlm.md: the run, its PNG, its export
+        shutil.copytree(request.getfixturevalue("trained_vlm"), cwd / "runs" / "vlm-tiny", symlinks=True)
+        _ok(run(["python", "examples/vlm_shapes.py", "--png", "shape.png"], cwd, 300), "shape.png")
+        if re.search(r"vlm-hf\b", text) and "--to-hf vlm-hf" not in text:
+            convert = ["meshspeed", "convert", "--checkpoint", "runs/vlm-tiny", "--to-hf", "vlm-hf"]
+            _ok(run(convert, cwd, 300), "runs/vlm-tiny to vlm-hf")
     # docs/diffusion.md's diffusers commands: the tiny random directory, the run, its export
     if re.search(r"(--checkpoint|--against) runs/dit-tiny\b", text):
         shutil.copytree(request.getfixturevalue("trained_dit"), cwd / "runs" / "dit-tiny", symlinks=True)
