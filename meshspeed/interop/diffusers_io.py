@@ -36,8 +36,8 @@ from meshspeed.interop.diffusers_dit import (
     diffusers_sources,
     to_diffusers,
 )
-from meshspeed.interop.hf_import import LazyParam, SafetensorsFiles
 from meshspeed.interop.model_source import checkpoint_model_config, checkpoint_state
+from meshspeed.interop.safetensors_dir import LazyParam, SafetensorsFiles
 from meshspeed.models import ModelConfig, recipe_for
 from meshspeed.models.hf import HFTensor
 
