@@ -1,8 +1,8 @@
 """`meshspeed.parallelize` on a diffusers DiTTransformer2DModel (issue 41 item 7): a user's own
 rectified-flow loop on the parallelized diffusers model at dp 2 (ZeRO-1, -2 and -3, whose
-blocks' conditioning embedders stay in the root unit) equals the same loop on one process
-without meshspeed: the losses, every parameter's gradient (ZeRO-1, where the reduced gradients
-stay whole), the global gradient norms and the weights after the steps.
+blocks' conditioning embedders stay in the root unit) and dp 3 (ZeRO-3) equals the same loop on
+one process without meshspeed: the losses, every parameter's gradient (ZeRO-1, where the reduced
+gradients stay whole), the global gradient norms and the weights after the steps.
 
 The loop runs the model in eval() mode: in train() mode diffusers' class embedder drops labels
 itself (class_dropout_prob 0.1, torch's global RNG), so each rank would drop others than one
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("diffusers") is None, reason="diffusers is a dev extra (the dit oracle)"
 )
 
-STEPS, BATCH, LR, CLIP, EPS = 2, 4, 1e-2, 1.0, 1e-8
+STEPS, BATCH, LR, CLIP, EPS = 2, 6, 1e-2, 1.0, 1e-8  # 6: split by dp 2 and 3
 
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, ...]]:
@@ -88,10 +88,14 @@ def job_loop(ctx, dims: dict, kw: dict, steps: int = STEPS):
     return losses, norms, grads, (state if ctx.rank == 0 else None)
 
 
-@pytest.mark.parametrize("kw", [dict(zero=1), dict(zero=2), dict(zero=3)], ids=["zero1", "zero2", "zero3"])
-def test_diffusers_dit_loop_at_dp2_equals_one_process(kw):
+@pytest.mark.parametrize(
+    "ws, kw",
+    [(2, dict(zero=1)), (2, dict(zero=2)), (2, dict(zero=3)), (3, dict(zero=3))],
+    ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "dp3-zero3"],
+)
+def test_diffusers_dit_loop_equals_one_process(ws, kw):
     want_losses, want_norms, want_grads, want_state = one_process()
-    results = harness.run(2, job_loop, dict(dp=2), kw, timeout=120)
+    results = harness.run(ws, job_loop, dict(dp=ws), kw, timeout=120)
     for losses, norms, grads, _ in results:
         assert max(abs(a - b) for a, b in zip(losses, want_losses)) < 1e-5, (losses, want_losses)
         assert max(abs(a - b) / b for a, b in zip(norms, want_norms)) < 1e-5, (norms, want_norms)
