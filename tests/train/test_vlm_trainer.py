@@ -1,7 +1,8 @@
 """The vision-language model (vlm-tiny) in the real Trainer on one mesh equals one process:
 per-step caption losses (SFT's per-token normalisation), gradient norms and the validation loss
 under dp with ZeRO-1 and ZeRO-3, dp 3, tp 2, pp 2 (the ViT and projector on stage 0, the M-RoPE
-positions carried to stage 1 in the micro-batch) and dp 2 × tp 2, in the pooled gloo workers.
+positions carried to stage 1 in the micro-batch), dp 2 × tp 2 and pp 2 × tp 2, in the pooled gloo
+workers.
 The run plan refuses what is not built (cp, sequence parallelism, other objectives) in one line
 before any worker starts.
 """
@@ -57,6 +58,7 @@ LAYOUTS = [
     ("tp2", 2, [("parallel.tp", "2")]),
     ("pp2", 2, [("parallel.pp", "2")]),
     ("dp2-tp2", 4, [("parallel.tp", "2")]),
+    ("pp2-tp2", 4, [("parallel.pp", "2"), ("parallel.tp", "2")]),
 ]
 
 
