@@ -49,18 +49,16 @@ def text_of(ids: list[int], eos: int = EOT) -> str:
 
 
 def exact_match(model, config, records: dict, batch: int = 100, decode: int = 20) -> dict:
-    """Whole-caption exact-match of `records` (placeholders first, then the caption and its end
-    token: data/shapes.py): {"exact_match", "right", "n", "greedy_agrees", "examples"}.
+    """Whole-answer exact-match of `records` (placeholders first, a question if any, then the
+    caption or answer and its end token, labelled: data/image_captions.py):
+    {"exact_match", "right", "n", "greedy_agrees", "examples"}.
 
     A caption is right when the greedy choice is the caption's token at every position up to
     its end token under teacher forcing, one forward per batch: exactly when greedy decoding
     writes the caption and stops (each step's input is then the caption so far). The first
     `decode` records are also decoded greedily, and `greedy_agrees` counts the decoded ones
     whose verdict is the same (a check of that equivalence on every run)."""
-    from meshspeed.data.shapes import caption_of
-    from meshspeed.models.vlm_config import image_tokens
-
-    n_img, seq, n = image_tokens(config), records["tokens"].shape[1], len(records["tokens"])
+    seq, n = records["tokens"].shape[1], len(records["tokens"])
     out = getattr(model, "output", None)
     if out is not None and hasattr(out, "gather_output"):
         out.gather_output = True
@@ -68,17 +66,22 @@ def exact_match(model, config, records: dict, batch: int = 100, decode: int = 20
     with torch.no_grad():
         for i in range(0, n, batch):
             tokens, labels = records["tokens"][i : i + batch], records["labels"][i : i + batch]
-            pred = model(tokens, records["images"][i : i + batch]).argmax(-1).cpu()
+            logits = model(tokens, records["images"][i : i + batch])
+            logits[..., config.image_token_id] = float("-inf")  # as greedy(): never a placeholder
+            pred = logits.argmax(-1).cpu()
             ok = ((pred == labels) | (labels == -100)).all(1)
             right += int(ok.sum())
             verdicts += ok.tolist()
-    k = min(decode, n)
-    got = greedy(model, config, records["tokens"][:k, :n_img], records["images"][:k], seq - n_img)
-    examples, agrees = [], 0
-    for row, ids, verdict in zip(records["tokens"][:k], got, verdicts, strict=False):
-        want, have = caption_of(row, config.image_token_id), text_of(ids)
-        agrees += (want == have and ids[-1:] == [EOT]) == verdict
-        examples.append({"caption": want, "greedy": have})
+    examples, agrees, k = [], 0, min(decode, n)
+    for i in range(k):  # greedy from the prompt (placeholders, then a question's bytes, if any)
+        labels = records["labels"][i]
+        start = int((labels != -100).nonzero()[0]) + 1  # the answer's first token
+        want = labels[labels != -100].tolist()  # the answer and its end token
+        prefix = records["tokens"][i : i + 1, :start]
+        room = min(seq - start + 1, config.max_seq_len - start)
+        got = greedy(model, config, prefix, records["images"][i : i + 1], room)[0]
+        agrees += (got == want) == verdicts[i]
+        examples.append({"caption": text_of(want), "greedy": text_of(got)})
     return {
         "exact_match": right / n, "right": right, "n": n,
         "greedy_agrees": f"{agrees}/{k}", "examples": examples,

@@ -10,8 +10,8 @@ placeholders (parallel/pipeline/forward_only.micro_positions); stage 0's embeddi
 
 Data (`data.path`): empty or "shapes" — the built-in shapes captions (data/shapes.py: 8,000
 training records from seed 0, 500 held out from seed 1); "digits" — scikit-learn's digits
-captioned "the digit 7"; a .jsonl file of {"image": PNG path, "caption": text} lines read
-through Pillow (data/image_captions.py), its last tenth held out.
+captioned "the digit 7"; a .jsonl file of {"image": PNG path, "caption": text} or {"image",
+"question", "answer"} lines read through Pillow (data/image_captions.py), its last tenth held out.
 """
 
 from __future__ import annotations

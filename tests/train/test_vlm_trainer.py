@@ -113,3 +113,23 @@ def test_jsonl_of_pngs_gives_the_shapes_records(tmp_path):
     assert len(train["tokens"]) == 18 and len(held["tokens"]) == 2
     for k in ("images", "tokens", "labels"):
         assert torch.equal(torch.cat([train[k], held[k]]), want[k]), k
+
+
+def test_jsonl_questions_label_the_answer_only(tmp_path):
+    """A {"image", "question", "answer"} line: placeholders, the question's bytes, the answer's
+    and the end token; labels predict the answer and its end only."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from meshspeed.data.image_captions import load_caption_jsonl
+
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(tmp_path / "k.png")
+    with open(tmp_path / "qa.jsonl", "w") as f:
+        for _ in range(2):
+            f.write(json.dumps({"image": "k.png", "question": "what? ", "answer": "red"}) + "\n")
+    train, _ = load_caption_jsonl(str(tmp_path / "qa.jsonl"), 32, 16, 255, 32)
+    tokens, labels = train["tokens"][0].tolist(), train["labels"][0].tolist()
+    assert tokens[:16] == [255] * 16 and bytes(tokens[16:25]) == b"what? red" and tokens[25] == 0
+    assert [t for t in labels if t != -100] == list(b"red") + [0] and labels.index(ord("r")) == 21
