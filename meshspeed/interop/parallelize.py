@@ -45,7 +45,7 @@ from meshspeed import comm
 from meshspeed.comm import placement
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.recipe import PipelineUnits, Recipe
-from meshspeed.interop import hf_experts, hf_loss, load_sharded
+from meshspeed.interop import diffusers_parallel, hf_experts, hf_loss, load_sharded
 from meshspeed.interop.hf_plan import (
     EXTRA_STYLES,
     HF_CLASSES,
@@ -95,12 +95,11 @@ def _mesh(dims, ctx) -> comm.Mesh:
             f"parallelize: dims={dims!r} must be a meshspeed.comm.ParallelDims (or the Mesh it builds), "
             "e.g. ParallelDims(dp=2, tp=2)"
         )
-    for name in ("pp", "cp"):
-        if getattr(mesh.dims, name) != 1:
-            raise ConfigError(
-                f"parallelize: {name}={getattr(mesh.dims, name)} is not supported on your own model "
-                "(dp, tp, ep and ZeRO are); use `meshspeed train` for pipeline and context parallelism"
-            )
+    if mesh.dims.pp != 1:
+        raise ConfigError(
+            f"parallelize: pp={mesh.dims.pp} is not supported on your own model (dp, tp, ep, ZeRO and, "
+            "for a diffusers DiT, cp are); use `meshspeed train` for pipeline parallelism"
+        )
     return mesh
 
 
@@ -221,6 +220,8 @@ def parallelize(
     load_from: str | None = None,
     recompute: str = "none",
     chunked_loss: bool = False,
+    cp_impl: str = "ring",
+    cp_ulysses: int = 1,
 ) -> tuple[nn.Module, ZeroAdamW]:
     """Split `model` in place over `dims` and return it with its AdamW.
 
@@ -245,6 +246,10 @@ def parallelize(
     (activation checkpointing of every block of `blocks`); "none" keeps everything.
     chunked_loss: a Hugging Face causal LM's `labels=` loss is taken a chunk of rows at a time
     without the full logits (interop/hf_loss.py; `.logits` is None when labels are given).
+    cp > 1 in dims (a diffusers DiTTransformer2DModel only): its image tokens split over cp, the
+    attention through meshspeed's cp core, `cp_impl` ring / ulysses / hybrid (`cp_ulysses` the
+    Ulysses degree of hybrid); every cp rank of a replica sees the same samples, as tp ranks do
+    (interop/diffusers_parallel.py).
     """
     if hasattr(model, ATTR):
         raise ConfigError("parallelize: this model was parallelized already; pass the single-device model")
@@ -260,6 +265,9 @@ def parallelize(
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallelize: zero={zero!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
     _check_memory(model, recompute, chunked_loss)
+    cp = mesh["cp"].size
+    if cp > 1:
+        diffusers_parallel.check_context(model, mesh)
     units = _blocks(model, blocks) if zero == 3 or recompute != "none" else None
     split_ep = _check_experts(model, mesh, load_from)
     loading = load_sharded.plan_load(model, load_from) if load_sharded.check_meta(model, load_from) else None
@@ -278,6 +286,8 @@ def parallelize(
         hooks = sequence_hooks(model, mesh["tp"])
     if split_ep:  # each member keeps its block of experts; DataParallel reduces them over edp
         hf_experts.split_experts(model, mesh["ep"])
+    if cp > 1:  # before recompute wraps the blocks: their attention is swapped in place
+        diffusers_parallel.apply_context(model, mesh, cp_impl, cp_ulysses)
     if recompute == "full":  # the block's forward, inside its module hooks (ZeRO-3, SP split)
         apply_recompute(model, "full", layers_attr=units)
     if chunked_loss:  # after the split: the head is then this rank's slice of the vocabulary
@@ -295,6 +305,8 @@ def parallelize(
         weight_decay=weight_decay,
         no_decay=no_decay or (lambda name, p: False),
         units=units if zero == 3 else None,
+        # cp ranks hold other tokens of the same samples: their gradients are reduced like dp's
+        group="dp_cp" if cp > 1 else "dp",
     )
     object.__setattr__(model, ATTR, Parallelized(mesh, dp, applied, sequence_parallel, hooks))
     return model, opt

@@ -1,8 +1,10 @@
 """`meshspeed.parallelize` on a diffusers DiTTransformer2DModel (issue 41 item 7): a user's own
 rectified-flow loop on the parallelized diffusers model at dp 2 (ZeRO-1, -2 and -3, whose
-blocks' conditioning embedders stay in the root unit) and dp 3 (ZeRO-3) equals the same loop on
-one process without meshspeed: the losses, every parameter's gradient (ZeRO-1, where the reduced
-gradients stay whole), the global gradient norms and the weights after the steps.
+blocks' conditioning embedders stay in the root unit), dp 3 (ZeRO-3), and with context
+parallelism over its image tokens (cp 2 ring, cp 2 Ulysses, dp 2 × cp 2 hybrid with ZeRO-3)
+equals the same loop on one process without meshspeed: the losses, every parameter's gradient
+(ZeRO-1, where the reduced gradients stay whole), the global gradient norms and the weights
+after the steps.
 
 The loop runs the model in eval() mode: in train() mode diffusers' class embedder drops labels
 itself (class_dropout_prob 0.1, torch's global RNG), so each rank would drop others than one
@@ -89,13 +91,29 @@ def job_loop(ctx, dims: dict, kw: dict, steps: int = STEPS):
 
 
 @pytest.mark.parametrize(
-    "ws, kw",
-    [(2, dict(zero=1)), (2, dict(zero=2)), (2, dict(zero=3)), (3, dict(zero=3))],
-    ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "dp3-zero3"],
+    "ws, dims, kw",
+    [
+        (2, dict(dp=2), dict(zero=1)),
+        (2, dict(dp=2), dict(zero=2)),
+        (2, dict(dp=2), dict(zero=3)),
+        (3, dict(dp=3), dict(zero=3)),
+        (2, dict(cp=2), dict(zero=1)),
+        (2, dict(cp=2), dict(zero=1, cp_impl="ulysses")),
+        (4, dict(dp=2, cp=2), dict(zero=3, cp_impl="hybrid", cp_ulysses=2)),
+    ],
+    ids=[
+        "dp2-zero1",
+        "dp2-zero2",
+        "dp2-zero3",
+        "dp3-zero3",
+        "cp2-ring",
+        "cp2-ulysses",
+        "dp2-cp2-hybrid-zero3",
+    ],
 )
-def test_diffusers_dit_loop_equals_one_process(ws, kw):
+def test_diffusers_dit_loop_equals_one_process(ws, dims, kw):
     want_losses, want_norms, want_grads, want_state = one_process()
-    results = harness.run(ws, job_loop, dict(dp=ws), kw, timeout=120)
+    results = harness.run(ws, job_loop, dims, kw, timeout=120)
     for losses, norms, grads, _ in results:
         assert max(abs(a - b) for a, b in zip(losses, want_losses)) < 1e-5, (losses, want_losses)
         assert max(abs(a - b) / b for a, b in zip(norms, want_norms)) < 1e-5, (norms, want_norms)
@@ -116,3 +134,20 @@ def test_diffusers_dit_loop_equals_one_process(ws, kw):
             err = (state[n] - w).abs().max().item()
             # AdamW turns a 1e-9 rounding difference of a ~0 gradient into ~1e-5 of weight
             assert err < 1e-4, f"{n} after {STEPS} steps off by {err:.2e}"
+
+
+def job_refused(ctx):
+    import meshspeed
+
+    try:
+        meshspeed.parallelize(torch.nn.Linear(4, 4), comm.ParallelDims(cp=2).build(ctx))
+    except comm.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_cp_on_another_model_is_one_line():
+    msgs = harness.run(2, job_refused, timeout=60)
+    assert all(
+        m and "\n" not in m and "cp > 1 on Linear" in m and "DiTTransformer2DModel" in m for m in msgs
+    ), msgs
