@@ -15,6 +15,8 @@ What is split and how:
   sequence parallelism;
 - any nn.Module with `plan=` (module-name patterns -> styles, tensor_plan.py): tp by that plan;
 - any nn.Module at tp=1: data parallelism alone, no plan needed;
+- a diffusers DiTTransformer2DModel: dp / ZeRO (its blocks' embedders in ZeRO-3's root unit)
+  and cp over its image tokens (interop/diffusers_parallel.py);
 - a `transformers` MixtralForCausalLM at tp=1: its experts split over ep (dims ep > 1, which
   borrows dp ranks as in `meshspeed train`), each layer's tokens exchanged all-to-all
   (interop/hf_experts.py); the router and attention data parallel.
