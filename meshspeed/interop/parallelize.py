@@ -13,6 +13,8 @@ What is split and how:
 - a `transformers` LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM: meshspeed's own
   family plan, renamed onto the Hugging Face modules (interop/hf_plan.py); tp with optional
   sequence parallelism;
+- a `transformers` Qwen2VLForConditionalGeneration: that plan on its language decoder, its vision
+  encoder data parallel, whole on every tp rank (interop/parallelize_vlm.py);
 - any nn.Module with `plan=` (module-name patterns -> styles, tensor_plan.py): tp by that plan;
 - any nn.Module at tp=1: data parallelism alone, no plan needed;
 - a diffusers DiTTransformer2DModel: dp / ZeRO (its blocks' embedders in ZeRO-3's root unit)
@@ -47,7 +49,7 @@ from meshspeed import comm
 from meshspeed.comm import placement
 from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.recipe import PipelineUnits, Recipe
-from meshspeed.interop import diffusers_parallel, hf_experts, hf_loss, load_sharded
+from meshspeed.interop import diffusers_parallel, hf_experts, hf_loss, load_sharded, parallelize_vlm
 from meshspeed.interop.hf_plan import (
     EXTRA_STYLES,
     HF_CLASSES,
@@ -255,6 +257,7 @@ def parallelize(
     """
     if hasattr(model, ATTR):
         raise ConfigError("parallelize: this model was parallelized already; pass the single-device model")
+    parallelize_vlm.check(model, dims, sequence_parallel, load_from)  # a Qwen2-VL: its options
     mesh = _mesh(dims, ctx)
     tp = mesh["tp"].size
     # every check before the first change: a refused model is left as it was
@@ -275,6 +278,7 @@ def parallelize(
     loading = load_sharded.plan_load(model, load_from) if load_sharded.check_meta(model, load_from) else None
     # tp = 1 needs no recipe: dp / ZeRO place any module (ZeRO-3's blocks: _blocks finds them)
     recipe = hf_recipe(model, tp, sequence_parallel) if plan is None and tp > 1 else None
+    recipe = recipe or (parallelize_vlm.recipe(model, tp) if plan is None and tp > 1 else None)
     applied, hooks = None, []
     if tp > 1 and recipe is None and plan is None:
         raise _unplaced(model, tp)
