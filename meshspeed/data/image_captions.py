@@ -27,16 +27,18 @@ from meshspeed.data.shapes import EOT
 SHAPES_TRAIN, SHAPES_HELD_OUT = 8000, 500  # the built-in shapes: training (seed 0), held out (seed 1)
 
 
-def _image(path: str, size: int, where: str) -> np.ndarray:
+def read_rgb(path: str, size: int, where: str) -> np.ndarray:
+    """[3, size, size] float32 in [-1, 1] from an image file through Pillow (RGB, resized): what
+    training records and `generate --image` both feed the model. `where` names the input."""
     try:
         from PIL import Image
     except ImportError:
-        raise DataError("image-caption data needs Pillow: pip install pillow") from None
+        raise DataError(f"{where}: images need Pillow: pip install pillow") from None
     try:
         with Image.open(path) as im:
             rgb = im.convert("RGB").resize((size, size), Image.BILINEAR)
     except (OSError, ValueError) as e:
-        raise DataError(f"{where}: image {path!r} cannot be read ({e}); give a PNG or JPEG") from None
+        raise DataError(f"{where}: {path!r} cannot be read as an image ({e}); give a PNG or JPEG") from None
     return (np.asarray(rgb, dtype=np.float32) / 127.5 - 1.0).transpose(2, 0, 1)
 
 
@@ -100,7 +102,7 @@ def load_caption_jsonl(
                     f'{where}: each line needs {{"image": "path.png", "caption": "text"}} or '
                     '{"image": "path.png", "question": "text", "answer": "text"}'
                 )
-            images.append(_image(os.path.join(base, row["image"]), image_size, where))
+            images.append(read_rgb(os.path.join(base, row["image"]), image_size, where))
             prompts.append(prompt)
             answers.append(answer)
     if len(answers) < 2:

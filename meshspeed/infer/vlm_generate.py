@@ -19,21 +19,12 @@ from meshspeed.comm import ConfigError
 
 
 def load_image(path: str, size: int):
-    """[3, size, size] float32 in [-1, 1] from an image file (PNG, JPEG… through Pillow)."""
-    import numpy as np
+    """[3, size, size] float32 in [-1, 1] from an image file, as the training records read it."""
     import torch
 
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ConfigError("--image needs Pillow: pip install pillow (or meshspeed[dev])") from None
-    try:
-        with Image.open(path) as im:
-            rgb = im.convert("RGB").resize((size, size), Image.BILINEAR)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--image={path!r} cannot be read as an image ({e}); give a PNG or JPEG") from None
-    pixels = np.asarray(rgb, dtype=np.float32) / 127.5 - 1.0  # [H, W, 3]
-    return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
+    from meshspeed.data.image_captions import read_rgb
+
+    return torch.from_numpy(read_rgb(path, size, "--image").copy())
 
 
 def resolve(opts: dict) -> dict:
