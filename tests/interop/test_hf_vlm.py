@@ -70,13 +70,14 @@ def inputs(b: int = 2):
     return tokens, images, out["pixel_values"]
 
 
-def hf_logits(model, tokens, pixel_values) -> torch.Tensor:
+def hf_logits(model, tokens, pixel_values, grid: int = 4) -> torch.Tensor:
+    """transformers' logits for one still image per row of `grid` × `grid` patches."""
     b = tokens.shape[0]
     with torch.no_grad():
         return model(
             input_ids=tokens,
             pixel_values=pixel_values,
-            image_grid_thw=torch.tensor([[1, 4, 4]] * b),
+            image_grid_thw=torch.tensor([[1, grid, grid]] * b),
             mm_token_type_ids=(tokens == IMG).int(),
         ).logits
 

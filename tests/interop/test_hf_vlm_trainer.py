@@ -13,7 +13,7 @@ from meshspeed.cli import main
 from meshspeed.plan import config
 from meshspeed.train.trainer import Trainer
 from tests import harness
-from tests.interop.test_hf_vlm import CONFIG, IMG, hf_model
+from tests.interop.test_hf_vlm import CONFIG, IMG, hf_logits, hf_model
 
 transformers = pytest.importorskip("transformers")
 SIDE = 32  # no meshspeed_image_size in a transformers-saved config.json: 4 merged tokens a side
@@ -39,14 +39,7 @@ def inputs(b: int = 2):
 
 
 def logits_of(hf, tokens, pv):
-    b = tokens.shape[0]
-    with torch.no_grad():
-        return hf(
-            input_ids=tokens,
-            pixel_values=pv,
-            image_grid_thw=torch.tensor([[1, 8, 8]] * b),
-            mm_token_type_ids=(tokens == IMG).int(),
-        ).logits
+    return hf_logits(hf, tokens, pv, grid=8)
 
 
 @pytest.fixture(scope="module")
