@@ -8,6 +8,18 @@ import dataclasses
 from .config import ModelConfig
 
 # Stored as keyword dicts, not instances, so a caller mutating its config cannot change a preset.
+# The DiT paper's 256² setting (Peebles & Xie): 32×32×4 latents in 2×2 patches, ImageNet's 1,000
+# classes, the checkpoints' learn_sigma outputs; the S/B/XL presets differ only in their size.
+DIT_PAPER = dict(
+    family="dit",
+    image_size=32,
+    patch_size=2,
+    in_channels=4,
+    n_classes=1000,
+    learn_sigma=True,
+    norm_eps=1e-6,
+)
+
 PRESETS: dict[str, dict] = {
     # Trains in seconds on a laptop CPU: byte vocabulary, ~0.46M parameters.
     "tiny": dict(
@@ -199,45 +211,9 @@ PRESETS: dict[str, dict] = {
     ),
     # The DiT paper's shapes (Peebles & Xie, table 1) with its checkpoints' learn_sigma outputs:
     # 33M, 130M and 675M parameters.
-    "dit-s-2": dict(
-        family="dit",
-        dim=384,
-        n_layers=12,
-        n_heads=6,
-        n_kv_heads=6,  # DiT's attention is multi-head (no GQA)
-        image_size=32,
-        patch_size=2,
-        in_channels=4,
-        n_classes=1000,
-        learn_sigma=True,
-        norm_eps=1e-6,
-    ),
-    "dit-b-2": dict(
-        family="dit",
-        dim=768,
-        n_layers=12,
-        n_heads=12,
-        n_kv_heads=12,  # DiT's attention is multi-head (no GQA)
-        image_size=32,
-        patch_size=2,
-        in_channels=4,
-        n_classes=1000,
-        learn_sigma=True,
-        norm_eps=1e-6,
-    ),
-    "dit-xl-2": dict(
-        family="dit",
-        dim=1152,
-        n_layers=28,
-        n_heads=16,
-        n_kv_heads=16,  # DiT's attention is multi-head (no GQA)
-        image_size=32,
-        patch_size=2,
-        in_channels=4,
-        n_classes=1000,
-        learn_sigma=True,
-        norm_eps=1e-6,
-    ),
+    "dit-s-2": dict(DIT_PAPER, dim=384, n_layers=12, n_heads=6, n_kv_heads=6),
+    "dit-b-2": dict(DIT_PAPER, dim=768, n_layers=12, n_heads=12, n_kv_heads=12),
+    "dit-xl-2": dict(DIT_PAPER, dim=1152, n_layers=28, n_heads=16, n_kv_heads=16),
     # FLUX.1-dev's size for dry runs and the planner (11.9B parameters; its 19 double- and 38
     # single-stream blocks are not modelled): width 3072 / 24 heads, 1024² images as FLUX packs
     # them (16-channel latents in 2x2 patches: 64 channels at 64x64, patch 1, 4096 tokens), every
