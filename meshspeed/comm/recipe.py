@@ -27,6 +27,12 @@ its blocks take). The fields:
                             [B, N, ...] to each rank's tokens and gathers the exit's output
                             whole; what else the blocks take (conditioning, text) stays whole.
                             Empty: the trainer feeds each cp rank its slice of the tokens.
+    sp_split                the module whose output sequence parallelism cuts to this rank's
+                            [B, seq/tp, ...] rows, for a family whose embedding must see the
+                            whole sequence (a vlm scatters image features into placeholders
+                            anywhere in it): the modules inside it run as without SP, whole on
+                            every tp rank, and the cut's backward all-gathers. Empty: the token
+                            embedding's reduce-scatter cuts (vocab_embedding).
 """
 
 from __future__ import annotations
@@ -112,6 +118,7 @@ class Recipe:
     aux_loss: Callable[[Iterable[nn.Module]], torch.Tensor | None] = _no_aux
     causal: bool = True
     cp_tokens: tuple[str, ...] = ()
+    sp_split: str = ""
 
     def __str__(self) -> str:
         lines = [
@@ -125,6 +132,8 @@ class Recipe:
             lines.append("  attention: full (context parallelism visits every ring block)")
         if self.cp_tokens:
             lines.append(f"  cp tokens: cut after {self.cp_tokens[0]}, gathered after {self.cp_tokens[1]}")
+        if self.sp_split:
+            lines.append(f"  sequence parallel: cut after {self.sp_split}, whole inside it")
         if self.pipeline.carry:
             lines.append(f"  pipeline: {self.pipeline.carry} row(s) carried ahead of the sequence")
         return "\n".join(lines)

@@ -11,7 +11,9 @@ Built-in styles split torch's own modules over the tensor-parallel group ("tp"):
     replicate        left as is
 
 A family adds its own styles (its MoE layer, say) in its recipe. With sequence parallelism the
-residual stream between those layers is [batch, seq/tp, dim] (tp must divide seq). The output
+residual stream between those layers is [batch, seq/tp, dim] (tp must divide seq): the token
+embedding's reduce-scatter cuts it, or, for a family whose embedding must see the whole sequence
+(a vlm's image features scattered into it), the output of the recipe's `sp_split` module. The output
 projection keeps the logits sharded along the vocabulary ([batch, seq, V/tp]) and
 `vocab_parallel_cross_entropy` takes them as they are.
 
@@ -34,6 +36,7 @@ from meshspeed.comm.recipe import Recipe, Style, tie
 from meshspeed.kernels.loss import cross_entropy_loss
 from meshspeed.parallel.tensor_comm import (
     gather_chunks_ad,
+    split_sequence_after,
     vocab_parallel_cross_entropy,
     vocab_parallel_token_ce,
 )
@@ -330,7 +333,9 @@ def parallelize(
     unless given. The model may still be on the meta device (then only shapes and tags are
     made; materialize.py fills the pieces) or hold initialised weights (sliced). A no-op when
     tp == 1. Returns the model; `model.ms_tp_plan` keeps the plan applied. tp_overlap: see
-    set_tp_overlap (sequence parallelism only).
+    set_tp_overlap (sequence parallelism only). With sequence_parallel, the recipe's sp_split
+    module runs whole and its output is cut to seq/tp (split_sequence_after); without one, the
+    token embedding's reduce-scatter cuts.
     """
     group = _tp_group(mesh)
     if group.size == 1:
@@ -341,10 +346,16 @@ def parallelize(
         )
     check_tp(group.size, recipe)
     plan = tp_plan(recipe, plan)
+    # recipe.sp_split: what runs inside that module sees the whole sequence (built as without
+    # SP: replicated activations, reduce_from), and only its output is cut to seq/tp
+    whole = recipe.sp_split if sequence_parallel else None
     for fqn, style in plan.assign(model):  # assign() validates the whole plan before any swap
-        new = plan.styles[style].build(model.get_submodule(fqn), group, sequence_parallel)
+        sp = sequence_parallel and not (whole and (fqn == whole or fqn.startswith(whole + ".")))
+        new = plan.styles[style].build(model.get_submodule(fqn), group, sp)
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, new)
+    if whole:
+        split_sequence_after(model, whole, group)
     tie(model, recipe)  # both sides of a tie are split alike (the vocabulary): share the piece
     model.ms_tp_plan = plan  # not `tp_plan`: transformers' models own that name (a dict property)
     if tp_overlap:

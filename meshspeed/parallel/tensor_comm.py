@@ -1,5 +1,6 @@
 """Communication for tensor parallelism beside meshspeed.comm.autograd: a differentiable gather
-of torch.chunk pieces (comm.placement's Shard) and the vocab-parallel cross-entropy.
+of torch.chunk pieces (comm.placement's Shard), the vocab-parallel cross-entropy, and the
+sequence-parallel cut after a module that must see the whole sequence (a recipe's sp_split).
 
 Activations sharded along the sequence use meshspeed.comm's tensor_split chunks (gather_sp /
 reduce_scatter_sp); parameters and vocab-sharded logits use torch.chunk chunks, which is what
@@ -12,6 +13,7 @@ import torch
 
 from meshspeed import comm
 from meshspeed.comm.placement import Shard, chunk_sizes, local_piece
+from meshspeed.comm.recipe import get_optional
 
 
 def gather_chunks(x: torch.Tensor, group: comm.Group, dim: int, n: int) -> torch.Tensor:
@@ -124,3 +126,24 @@ def vocab_parallel_token_ce(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), group, vocab_start, ignore_index, True
     )
     return flat.view(targets.shape)
+
+
+def split_sequence_after(model: torch.nn.Module, fqn: str, group: comm.Group) -> None:
+    """Cut the output of `model.fqn` [batch, seq, ...] to this rank's rows [batch, seq/tp, ...]
+    (split_to: the backward all-gathers each rank's gradient rows, so the module, run whole on
+    every tp rank, gets the whole gradient). A forward hook: FQNs, attributes and checkpoints
+    of the module are unchanged. A pipeline stage without the module skips it."""
+    module = get_optional(model, fqn)
+    if module is None:
+        return
+
+    def cut(module, args, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[1] % group.size:
+            raise comm.ConfigError(
+                f"sequence parallelism needs the sequence length divisible by parallel.tp={group.size}, "
+                f"got seq={h.shape[1]} after {fqn}; pad the batch to a multiple of {group.size} or turn "
+                "sequence_parallel off"
+            )
+        return comm.split_to(h, group, 1)
+
+    module.register_forward_hook(cut)
