@@ -330,7 +330,8 @@ class VLM(nn.Module):
 def tp_plan(config: ModelConfig) -> tuple[tuple[str, str], ...]:
     """Llama's plan for the decoder (its embedding under `embed.`) plus Megatron's split of the
     ViT (heads and MLP hidden) and of the projector's hidden layer. ViT LayerNorms stay whole:
-    the encoder's activations are replicated over tp (no sequence parallelism there)."""
+    the encoder's activations are replicated over tp; under sequence parallelism everything
+    inside `embed` runs as without it (the recipe's sp_split) and the decoder gets its slice."""
     text = [("embed.tok_embeddings" if p == "tok_embeddings" else p, s) for p, s in llama.tp_plan(config)]
     v = "embed.vision.layers.*"
     vision = [
@@ -375,6 +376,10 @@ def recipe(config: ModelConfig) -> Recipe:
             embed=lambda model, tokens, images: model.embed(tokens, images),
         ),
         tp_plan=tp_plan(config),
+        # the features are scattered into placeholders anywhere in the sequence: under sequence
+        # parallelism the embedding unit runs whole and its output is cut to seq/tp (the M-RoPE
+        # tables stay whole: the blocks' projections gather the full sequence before attention)
+        sp_split="embed",
         tp_divides={
             "n_heads": config.n_heads,
             "n_kv_heads": config.num_kv_heads,

@@ -27,12 +27,7 @@ def check_vlm(cfg, config) -> None:
     if p.cp > 1:  # a cp slice would cut an image's run of placeholders
         raise ConfigError(
             f"parallel.cp={p.cp} with a 'vlm' model: the image placeholders must stay whole on one "
-            "rank; use cp=1 (dp, tp and pp work)"
-        )
-    if p.sequence_parallel and p.tp > 1:  # the embedding's output would be a sequence slice
-        raise ConfigError(
-            f"parallel.sequence_parallel=true with a 'vlm' model (tp={p.tp}): the image features "
-            "are scattered into the whole sequence, not built for a slice yet; use sequence_parallel=false"
+            "rank; use cp=1 (dp, tp with sequence parallelism and pp work)"
         )
     for key, on in (
         ("data.packing", cfg.data.packing),

@@ -3,8 +3,8 @@ per-step caption losses (SFT's per-token normalisation), gradient norms and the 
 under dp with ZeRO-1 and ZeRO-3, dp 3, tp 2, pp 2 (the ViT and projector on stage 0, the M-RoPE
 positions carried to stage 1 in the micro-batch), dp 2 × tp 2 and pp 2 × tp 2, in the pooled gloo
 workers.
-The run plan refuses what is not built (cp, sequence parallelism, other objectives) in one line
-before any worker starts.
+The run plan refuses what is not built (cp, other objectives) in one line before any worker
+starts. Sequence parallelism: test_vlm_sp.py.
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ def test_layout_equals_one_process(tmp_path_factory, name, ws, extra):
     "extra,match",
     [
         ([("parallel.cp", "2")], "parallel.cp=2 with a 'vlm' model: the image placeholders must stay whole"),
-        ([("parallel.tp", "2"), ("parallel.sequence_parallel", "true")], "sequence_parallel=true with"),
         ([("train.objective", "lm")], "train.objective=lm with a 'vlm' model"),
         ([("train.seq_len", "20")], "train.seq_len=20 is too short .* use train.seq_len=28"),
         ([("data.path", "nowhere.jsonl")], "data.path='nowhere.jsonl' is not a file"),
