@@ -25,6 +25,10 @@ EXAMPLES = """examples:
   torchrun --nproc-per-node 8 -m meshspeed train --config configs/llama3-8b.toml \\
       --data.tokenizer ~/Meta-Llama-3-8B/                          # reads data/tokens.bin
 
+images (--images): a diffusion run's images and labels, a vlm run's captions (docs/vlm.md):
+  meshspeed data prepare --images digits --out data/digits.safetensors
+  meshspeed data prepare --images data/shapes --out data/shapes.safetensors   # DIR/captions.jsonl
+
 post-training records (--kind; not --format, which already names the token width):
   meshspeed data prepare --kind arith --out data/arith --count 4000 --seed 0   # synthetic task's JSON lines
   meshspeed data prepare --kind chat --input data/arith/sft.train.jsonl --seq-len 64 \\
@@ -83,8 +87,9 @@ def register(sub) -> None:
         metavar="SOURCE",
         help="prepare images instead of text: 'digits' (scikit-learn's 8×8 digits), a directory of "
         "class folders (DIR/<label>/*.png|jpg) or with captions.jsonl, or an .npz with 'images' "
-        "(and 'labels'); writes [-1, 1] float32 images, labels and a fixed held-out split to --out "
-        "(safetensors), which --data.path reads",
+        "(and 'labels'); writes [-1, 1] float32 images, labels (and captions) and a fixed held-out "
+        "split to --out (safetensors), which --data.path reads: a diffusion run's images and labels, "
+        "a vlm run's captions (class labels captioned with their names)",
     )
     p.add_argument(
         "--kind",

@@ -195,7 +195,7 @@ def read_images(spec: str, setting: str = "images") -> tuple[dict, list[str]]:
         return _folder(spec)
     if spec.endswith(".npz"):
         return _npz(spec)
-    records, names, _ = _read_prepared(spec)
+    records, names, _, _ = _read_prepared(spec)
     return records, names
 
 
@@ -204,27 +204,46 @@ def load_image_records(
 ) -> tuple[dict, dict]:
     """(train, val) records of `spec`: "digits", a directory, an .npz or a prepared file. A
     prepared file keeps the split it was written with (val_fraction is not applied again)."""
+    return image_source(spec, val_fraction, setting)[:2]
+
+
+def image_source(
+    spec: str, val_fraction: float = VAL_FRACTION, setting: str = "data.path"
+) -> tuple[dict, dict, list[str], str]:
+    """(train, val, class names, source): load_image_records' splits, the class names ([] when
+    unnamed) and what the images came from (a prepared file: the source it was prepared from)."""
     if os.path.isfile(spec) and not spec.endswith(".npz"):
-        recs, _, n_val = _read_prepared(spec)
+        recs, names, n_val, source = _read_prepared(spec)
         n = recs["images"].shape[0]
-        return {k: v[: n - n_val] for k, v in recs.items()}, {k: v[n - n_val :] for k, v in recs.items()}
-    records, _ = read_images(spec, setting)
-    return split(records, val_fraction)
+        train = {k: v[: n - n_val] for k, v in recs.items()}
+        return train, {k: v[n - n_val :] for k, v in recs.items()}, names, source
+    records, names = read_images(spec, setting)
+    return (*split(records, val_fraction), names, spec)
 
 
-def _read_prepared(path: str) -> tuple[dict, list[str], int]:
-    """(records, class names, held-out count) of a file prepare_images wrote."""
+def prepared_text(path: str) -> tuple[torch.Tensor | None, torch.Tensor, list[str], str]:
+    """(captions_utf8 or None, labels, class names, source) of a prepared file, its images left
+    unread: what a run plan can afford to check of a large file."""
+    recs, names, _, source = _read_prepared(path, ("captions_utf8", "labels"))
+    return recs.get("captions_utf8"), recs["labels"], names, source
+
+
+def _read_prepared(path: str, keys=None) -> tuple[dict, list[str], int, str]:
+    """(records, class names, held-out count, source) of a file prepare_images wrote; `keys`:
+    only those tensors (None: all)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iter
+            stored = list(f.keys())  # noqa: SIM118 - safe_open has no iter
+            tensors = {k: f.get_tensor(k) for k in stored if keys is None or k in keys}
     except (OSError, SafetensorError) as e:
         raise DataError(f"{path!r} is not a prepared image file ({type(e).__name__}); {WHAT_WORKS}") from None
-    if meta.get("format") != FORMAT or "images" not in tensors:
+    if meta.get("format") != FORMAT or "images" not in stored:
         raise DataError(f"{path!r} was not written by `meshspeed data prepare --images`; {WHAT_WORKS}")
-    return tensors, json.loads(meta.get("class_names", "[]")), int(meta.get("n_val", 0))
+    names = json.loads(meta.get("class_names", "[]"))
+    return tensors, names, int(meta.get("n_val", 0)), meta.get("source", path)
 
 
 def prepare_images(spec: str, out: str, val_fraction: float = VAL_FRACTION, overwrite: bool = False) -> dict:
@@ -238,7 +257,7 @@ def prepare_images(spec: str, out: str, val_fraction: float = VAL_FRACTION, over
         raise DataError(f"--out={out!r} is a directory; name a file to write")
     if os.path.exists(out) and not overwrite:
         try:
-            _read_prepared(out)
+            _read_prepared(out, ())  # the header alone says whether prepare wrote it
         except DataError:
             raise DataError(
                 f"--out={out!r} exists and was not written by `meshspeed data prepare --images`; "
