@@ -274,6 +274,12 @@ def _prepare(cmd: doc_commands.Command, cwd, request) -> None:
     if "data/arith/" in text:  # docs/post-training.md: the arithmetic task's files, as its first command
         arith = ["meshspeed", "data", "prepare", "--kind", "arith", "--out", "data/arith", "--count", "400"]
         _ok(run(arith, cwd, 300), "meshspeed data prepare --kind arith")
+    if re.search(r"\bdata/shapes\b", text) and "examples/vlm_captions.py" not in text:  # docs/vlm.md
+        shapes = ["python", "examples/vlm_captions.py", "--out", "data/shapes", "--count", "40"]
+        _ok(run(shapes, cwd, 300), "data/shapes")
+        if "data/shapes.safetensors" in text and "--out data/shapes.safetensors" not in text:
+            prep = ["meshspeed", "data", "prepare", "--images", "data/shapes", "--out"]
+            _ok(run(prep + ["data/shapes.safetensors"], cwd, 300), "data/shapes.safetensors")
     if "prompts.txt" in text:
         (cwd / "prompts.txt").write_text("Once upon\nThe\n")
     if re.search(r"(^| )train\.py( |$)", text):
