@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshspeed.comm.errors import CommError, ConfigError
+from meshspeed.comm.mesh import MESH_DIMS
 from meshspeed.comm.placement import Shard, Sharding
 
 try:  # public since torch 2.4
@@ -175,6 +176,9 @@ def _wrap(name: str, local: torch.Tensor, sharding: Sharding | None, mesh):
         )
     if not axes:
         return local
+    if hasattr(mesh, "placement_mesh") and not any(d == "ep" for d, _ in axes):  # a ModuleMesh
+        names = tuple(d for d in MESH_DIMS if d in dict(axes))
+        return _dtensor(local, mesh.placement_mesh(names), names, dict(axes), sharding)
     device_mesh = mesh.device_mesh
     if any(d == "ep" for d, _ in axes):  # expert shards: a mesh of this rank's ep group (× tp)
         if any(d not in ("ep", "tp") for d, _ in axes):
@@ -192,6 +196,10 @@ def _wrap(name: str, local: torch.Tensor, sharding: Sharding | None, mesh):
     by_dim = dict(axes)
     names = tuple(d for d in dims if d in by_dim)  # DeviceMesh order, whatever order the splits came in
     sub = device_mesh if names == dims else device_mesh[names if len(names) > 1 else names[0]]
+    return _dtensor(local, sub, names, by_dim, sharding)
+
+
+def _dtensor(local, sub, names, by_dim, sharding):
     full = torch.Size(sharding.full_shape)
     return DTensor.from_local(
         local,

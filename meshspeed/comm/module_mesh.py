@@ -10,7 +10,11 @@ module's groups or the whole-model Mesh's.
 Building is collective over the whole world (torch's new_group requires every rank to take
 part), so every rank builds every module's mesh; a rank outside the module gets a one-member
 group per dim (no process group: nothing it could call would communicate) and `member` False.
-Mesh's node/ep groups are not made here: no per-module layout needs them yet.
+The trainer runs a module on a ModuleMesh where it runs a whole model on a Mesh (a
+disaggregated decoder), so it answers what the trainer asks of a Mesh: `coords`, the groups
+(ep and edp included), "world" (the whole job, not the module: a gradient norm or a checkpoint
+spans both modules) and a `device_mesh` for checkpoints' tensor placement. Mesh's node/xnode
+groups are not made here: no per-module layout needs them yet.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from meshspeed.comm.errors import ConfigError
 from meshspeed.comm.group import Group
 from meshspeed.comm.mesh import MESH_DIMS, ParallelDims
 
-GROUPS = MESH_DIMS + ("dp_cp",)
+GROUPS = MESH_DIMS + ("dp_cp", "ep", "edp")
 
 
 def parse_ranks(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -65,6 +69,24 @@ class ModuleMesh:
             partition = [[ranks[i] for i in row] for row in parts[dim]] + others
             self._groups[dim] = ctx.split(partition, f"{name}.{dim}")
         self._groups["module"] = ctx.split([list(ranks)] + others, f"{name}.all")
+        self._groups["world"] = ctx.world
+        self._placement: dict = {}
+
+    def placement_mesh(self, names: tuple[str, ...]):
+        """A DeviceMesh over this rank's peers along `names` (Mesh's dim order), for placing
+        checkpoint tensors split over those dims: made directly (a sliced backend-less
+        DeviceMesh is not supported) and without process groups (placing needs none)."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        key = tuple(names)
+        if key not in self._placement:
+            grid = torch.tensor(self.ranks).view(*(getattr(self.dims, d) for d in MESH_DIMS))
+            index = tuple(slice(None) if d in names else self.coords[d] for d in MESH_DIMS)
+            self._placement[key] = DeviceMesh(
+                self.ctx.device.type, grid[index], mesh_dim_names=key, _init_backend=False
+            )
+        return self._placement[key]
 
     def coords_of(self, global_rank: int) -> dict[str, int]:
         """The mesh coordinates of a member of this module, by global rank."""

@@ -33,6 +33,8 @@ its blocks take). The fields:
                             anywhere in it): the modules inside it run as without SP, whole on
                             every tp rank, and the cut's backward all-gathers. Empty: the token
                             embedding's reduce-scatter cuts (vocab_embedding).
+    encoder                 EncoderUnit: a sub-model `[modules]` may give a layout of its own
+                            (its ranks, dp, tp), joined to the rest through parallel/seam.py
 """
 
 from __future__ import annotations
@@ -101,6 +103,30 @@ def _no_aux(modules: Iterable[nn.Module]) -> torch.Tensor | None:
 
 
 @dataclass(frozen=True)
+class EncoderUnit:
+    """A sub-model that may run in a layout of its own (`[modules]`: a vlm's image encoder).
+
+    prefixes    the FQN prefixes of its parameters (everything else is the decoder's)
+    blocks      the FQN of its container of blocks (ZeRO-3 gathers each on its own)
+    input       the micro-batch key it reads (one row per record: "images")
+    encode      (model, inputs [n, ...]) -> rows [n, *row_shape] for the decoder
+    decode      (model, item, rows) -> the decoder's output on the micro-batch `item`, the
+                encoder's rows given instead of computed (the model's own forward)
+    row_shape   one record's rows (a vlm: [image tokens, dim])
+    """
+
+    prefixes: tuple[str, ...]
+    blocks: str
+    input: str
+    encode: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    decode: Callable[[nn.Module, dict, torch.Tensor], torch.Tensor]
+    row_shape: tuple[int, ...]
+
+    def owns(self, fqn: str) -> bool:
+        return any(fqn == p or fqn.startswith(p + ".") for p in self.prefixes)
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     build: Callable[[], nn.Module]
@@ -119,6 +145,7 @@ class Recipe:
     causal: bool = True
     cp_tokens: tuple[str, ...] = ()
     sp_split: str = ""
+    encoder: EncoderUnit | None = None
 
     def __str__(self) -> str:
         lines = [

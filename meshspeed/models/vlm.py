@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshspeed.comm.recipe import PipelineUnits, Recipe
+from meshspeed.comm.recipe import EncoderUnit, PipelineUnits, Recipe
 from meshspeed.kernels.loss import cross_entropy_loss
 
 from . import llama, qwen2
@@ -287,7 +287,7 @@ class VLM(nn.Module):
         device = self.rope_cos.device if device is None else device
         self.rope_cos, self.rope_sin = llama.rope_tables(self.config, device=device)
         self.rope_axis = _rope_axis(self.config, device)
-        if self.embed is not None:
+        if self.embed is not None and self.embed.vision is not None:  # [modules]: may be elsewhere
             self.embed.vision.init_rope(device)
 
     def forward(
@@ -389,4 +389,14 @@ def recipe(config: ModelConfig) -> Recipe:
         n_layers=config.n_layers,
         hidden_size=config.dim,
         finish=lambda model: model.init_rope(),
+        # [modules]: the ViT and projector in a layout of their own, their image features handed
+        # to the decoder (parallel/seam.py); the decoder's forward takes them instead of images
+        encoder=EncoderUnit(
+            prefixes=("embed.vision", "embed.projector"),
+            blocks="embed.vision.layers",
+            input="images",
+            encode=lambda model, images: model.embed.image_features(images),
+            decode=lambda model, item, rows: model(item["tokens"], None, item["positions"], rows),
+            row_shape=(image_tokens(config), config.dim),
+        ),
     )

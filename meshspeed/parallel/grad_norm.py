@@ -60,16 +60,35 @@ def _owner(mesh, dims: tuple[str, ...]) -> bool:
 def grad_norm(target, mesh, norm_type: float = 2.0) -> torch.Tensor:
     """Norm of the logical model's gradient (fp32 scalar, the same on every rank); collective
     over the world. target: a DataParallel, ZeroAdamW, nn.Module or iterable of parameters
-    (plain parameters: .main_grad if present, else .grad, taken as reduced over dp)."""
+    (plain parameters: .main_grad if present, else .grad, taken as reduced over dp); or an
+    object with `parts`, [(target, mesh)] of modules in layouts of their own ([modules]: an
+    encoder's DataParallel on its ModuleMesh beside the decoder's), summed into one norm."""
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise comm.ConfigError(f"norm_type={norm_type!r} must be > 0 (2.0, or inf for the max norm)")
+    inf = math.isinf(norm_type)
+    local = None
+    for part, part_mesh in getattr(target, "parts", None) or [(target, mesh)]:
+        s = _local_power(part, part_mesh, norm_type)
+        if s is not None:
+            local = s if local is None else (torch.maximum(local, s) if inf else local + s)
+    if local is None:
+        local = torch.zeros((), dtype=torch.float64, device=torch.device(mesh.ctx.device))
+    total = comm.all_reduce(local.reshape(1), mesh["world"], "max" if inf else "sum")[0]
+    return (total if inf else total ** (1.0 / norm_type)).float()
+
+
+def _local_power(target, mesh, norm_type: float) -> torch.Tensor | None:
+    """This rank's share of sum |g|^p (max |g| for inf): each replicated gradient counted on
+    one rank only. None: no gradient here."""
     target = getattr(target, "dp", target)  # a ZeroAdamW: its DataParallel
+    if target is None:  # a module this rank does not run
+        return None
     if isinstance(target, DataParallel):
         target.finish_grad_sync()
         segs = norm_segments(target)
         replicated = ("cp",) if target.group_name == "dp" else ()  # the dp slices are disjoint
-        device = target.buckets[0].grad.device
+        device = target.buckets[0].grad.device if target.buckets else None
     else:
         params = target.parameters() if isinstance(target, nn.Module) else target
         segs = []
@@ -79,10 +98,10 @@ def grad_norm(target, mesh, norm_type: float = 2.0) -> torch.Tensor:
             if g is not None:
                 segs.append((g, tp_sharded(p)))
         replicated = ("dp", "cp")
-        device = segs[0][0].device if segs else torch.device(mesh.ctx.device)
+        device = segs[0][0].device if segs else None
     keep = {True: _owner(mesh, replicated), False: _owner(mesh, replicated + ("tp",))}
     inf = math.isinf(norm_type)
-    local = torch.zeros((), dtype=torch.float64, device=device) if inf else None
+    local = torch.zeros((), dtype=torch.float64, device=device) if inf and device is not None else None
     for g, tp in segs:
         if not g.numel() or not (inf or keep[tp]):
             continue
@@ -91,10 +110,7 @@ def grad_norm(target, mesh, norm_type: float = 2.0) -> torch.Tensor:
         else:  # the first sum as it is (0.0 + s is s): no zeros and no add kernel of its own
             s = _power_sum(g, norm_type)
             local = s if local is None else local + s
-    if local is None:
-        local = torch.zeros((), dtype=torch.float64, device=device)
-    total = comm.all_reduce(local.reshape(1), mesh["world"], "max" if inf else "sum")[0]
-    return (total if inf else total ** (1.0 / norm_type)).float()
+    return local
 
 
 ROW = 1 << 11  # elements per float32 partial sum in _power_sum

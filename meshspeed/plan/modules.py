@@ -212,14 +212,35 @@ def predict(cfg, config, layout: dict, machine: Machine, microbatches: int) -> d
 
 def attach(plan, cfg, config, recipe, dec_dims: ParallelDims, microbatches: int, starts: bool) -> None:
     """Set RunPlan.modules: the resolved per-module layout with its memory and predicted step
-    ({} without [modules]). `starts`: the plan is for a run that starts (it needs its data),
-    refused while the trainer does not build per-module layouts."""
+    ({} without [modules]). `starts`: the plan is for a run that starts; what the trainer does
+    not run yet with [modules] (train/modules_run.py) is refused here, in one line each."""
     plan.modules = plan_modules(cfg, config, recipe, plan.world_size, dec_dims, microbatches, plan.device)
     if plan.modules and starts:
-        raise ConfigError(
-            "[modules] per-module layouts are planned (--dry-run) and run model-level "
-            "(parallel/seam.py, benchmarks/vlm.py), not by the trainer yet; unset modules.* to train"
-        )
+        check_trainable(cfg, plan.modules)
+
+
+def check_trainable(cfg, layout: dict) -> None:
+    """What `meshspeed train` refuses of a per-module layout (the dry run plans all of it)."""
+    e, m, p = layout["encoder"], cfg.modules, cfg.parallel
+    world = len(set(e["ranks"]) | set(layout["decoder"]["ranks"]))
+    last = f"{world - len(e['ranks'])}-{world - 1}" if len(e["ranks"]) > 1 else str(world - 1)
+    apart = layout["mode"] == "disaggregated"
+    refusals = (
+        (e["tp"] > 1, f"modules.encoder_tp={m.encoder_tp}", "the trainer runs the encoder at tp 1 so far "
+         "(encoder tp runs model-level: benchmarks/vlm.py); use modules.encoder_tp=1"),
+        (p.zero == 3, "parallel.zero=3", "ZeRO-3 is not built for the encoder's own layout; use "
+         "parallel.zero=2 (both modules' states sharded, the weights whole)"),
+        (apart and 0 in e["ranks"], f"modules.encoder_ranks={m.encoder_ranks!r}",
+         f"rank 0 logs the loss and must run the decoder; give the encoder the last ranks, e.g. '{last}'"),
+        (apart and (cfg.checkpoint.export_hf or cfg.checkpoint.export_safetensors),
+         "checkpoint.export_hf/export_safetensors", "the decoder's ranks do not hold the encoder when "
+         "disaggregated; export the checkpoint afterwards (meshspeed convert --checkpoint RUN --to-hf DIR)"),
+        (cfg.sparsity.pattern != "none", f"sparsity.pattern={cfg.sparsity.pattern}",
+         "sparsity is not built for per-module layouts; use sparsity.pattern=none"),
+    )  # fmt: skip
+    for bad, setting, why in refusals:
+        if bad:
+            raise ConfigError(f"{setting} with [modules]: {why}")
 
 
 def plan_modules(

@@ -109,6 +109,7 @@ def worker(plan_dict: dict, prepared: bool = False) -> None:
     (plan/run_plan.py) as plain data. `prepared`: the launcher already applied the run-directory
     policy."""
     from meshspeed.plan.run_plan import RunPlan
+    from meshspeed.train.modules_run import EncoderWorker, encoder_only
     from meshspeed.train.trainer import Trainer
 
     plan = RunPlan.from_dict(plan_dict)
@@ -122,7 +123,8 @@ def worker(plan_dict: dict, prepared: bool = False) -> None:
         except comm.ConfigError as err:
             raise echo(err, os.environ.get("RANK", "0") != "0")  # the same on every rank
     ctx = comm.init(timeout_s=cfg.run.timeout or None, device=plan.device)  # the plan's choice
-    trainer = Trainer(cfg, ctx, plan)
+    # [modules] disaggregated: the encoder's own ranks run its loop (train/modules_run.py)
+    trainer = (EncoderWorker if encoder_only(plan, ctx) else Trainer)(cfg, ctx, plan)
     summary = trainer.run()
     if trainer.lead:
         print_summary(cfg, trainer, summary)

@@ -9,7 +9,6 @@ float32 run's losses match across layouts and a resumed run matches an uninterru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import time
@@ -18,11 +17,8 @@ import torch
 
 from meshspeed import comm
 from meshspeed.checkpoint import dcp as ckpt
-from meshspeed.checkpoint.dirs import resume_path
 from meshspeed.checkpoint.export import export_safetensors
-from meshspeed.checkpoint.run_dir import check_resume
 from meshspeed.comm import ConfigError
-from meshspeed.comm.errors import echo
 from meshspeed.data.tokenizer import load_tokenizer
 from meshspeed.interop.hf_export import export_hf, source_hf_config
 from meshspeed.interop.hf_import import source_recipe
@@ -39,6 +35,7 @@ from meshspeed.plan import config as config_mod
 from meshspeed.plan.experts import apply_expert_parallel
 from meshspeed.plan.run_plan import RunPlan, make_plan
 from meshspeed.sparse.cuda import invalidate_compressed
+from meshspeed.train import checkpointing, modules_run
 from meshspeed.train.batches import make_loaders, packed_documents, prepare_rows, to_device  # noqa: F401
 from meshspeed.train.experts import expert_load, replication_metrics, update_routing_bias
 from meshspeed.train.flow_run import make_ema
@@ -67,7 +64,12 @@ class Trainer:
                 f"the run plan is for {self.plan.world_size} ranks but {ctx.world_size} joined the job"
             )
         self.accum = self.plan.microbatches
-        self.mesh = self.plan.parallel_dims().build(ctx)
+        # [modules] (train/modules_run.py): the encoder's and the decoder's meshes; disaggregated,
+        # the decoder's ModuleMesh is this trainer's mesh (the encoder's ranks run EncoderWorker)
+        apart = bool(self.plan.modules) and self.plan.modules["mode"] == "disaggregated"
+        self.mesh = None if apart else self.plan.parallel_dims().build(ctx)
+        meshes = modules_run.module_meshes(self.plan, ctx) if self.plan.modules else None
+        self.mesh = self.mesh or meshes[1]
         dp = self.mesh.dims.dp
         self.lead = ctx.rank == 0
         self.model_config = self.plan.model_config()
@@ -78,6 +80,9 @@ class Trainer:
             self.recipe = source_recipe(cfg.model.init_from, self.model_config)
         else:
             self.recipe = recipe_for(self.model_config)
+        whole_recipe = self.recipe
+        if meshes:  # this trainer's model is the decoder; the encoder is built beside it
+            self.recipe = modules_run.split_recipe(whole_recipe, "decoder")
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         torch.manual_seed(t.seed)
         # Born sharded: built on the meta device, each rank materialises only its pieces.
@@ -126,7 +131,9 @@ class Trainer:
 
         # DPO's frozen reference: the starting weights in this layout, built before any update
         self.reference = Reference(self, experts, load_weights) if self.objective.needs_reference else None
-        load_weights(self.model)  # before the optimizer copies the weights into its masters
+        self.encoder = meshes and modules_run.EncoderSide(cfg, ctx, whole_recipe, *meshes, DTYPES[t.dtype])
+        self.whole = modules_run.Both(self.model, self.encoder.model) if meshes else self.model
+        load_weights(self.whole)  # before the optimizer copies the weights into its masters
         self.dp, self.opt = build_data_parallel(
             self.model,
             self.mesh,
@@ -151,6 +158,9 @@ class Trainer:
         # ZeRO: step()'s parameter all-gather lands during the next forward (zero_prefetch.py);
         # sparsity reads the weights right after step(), so it keeps the blocking gather.
         self.prefetch = enable_zero_prefetch(self.dp) if p.zero_prefetch and self.sparsity is None else None
+        if self.encoder:  # its own DataParallel and AdamW, joined to the decoder's
+            self.encoder.build_optimizer(cfg)
+            modules_run.join(self)
         self.loader, self.val_loader = make_loaders(cfg, self.tokenizer, self.mesh.coords["dp"], dp)
         if self.reference is not None and cfg.dpo.precompute_reference:
             self.reference = self.reference.precompute_loaders(self)  # then freed: None
@@ -177,58 +187,23 @@ class Trainer:
         return [StageLayout(**{**s, "layers": tuple(s["layers"])}) for s in self.plan.stages]
 
     # ------------------------------------------------------------------------------------
+    # checkpoints (train/checkpointing.py): `self.whole` is saved, the model or both modules
     def _resume(self, which: str) -> int:
-        """Load the checkpoint `which` names ('latest', 'auto' or a path: checkpoint.dirs.resume_path)
-        and return its step (0: 'auto' found none)."""
-        path, verified = resume_path(which, self.cfg.run.dir, self.mesh, self.lead)
-        if path is None:
-            return 0
-        if not self.cfg.checkpoint.allow_data_change:  # the same on every rank: rank 0 says it
-            try:
-                check_resume(path, self.cfg.to_dict(), self.model_config.vocab_size)
-            except ConfigError as e:
-                raise echo(e, not self.lead) from None
-        with self._whole_weights():
-            state = ckpt.load_checkpoint(path, self.model, self.opt, self.mesh, verify=not verified)
-        if self.sparsity is not None:
-            self.sparsity.load_state_dict((state["extra"] or {}).get("sparsity"))
-        self.ema.load(state["extra"], self.lead)
-        if self.lead:
-            print(f"meshspeed: resumed from step {state['step']} ({state['path']})", flush=True)
-        return int(state["step"])
+        return checkpointing.resume(self, which)
 
     def _whole_weights(self):
-        """Inside, every parameter holds its value, for reads and loads outside a forward:
-        ZeRO-3 gathers them all (collective over dp), ZeRO-1/2's prefetched gather is waited for."""
-        if self.dp.zero3 is not None:
-            return self.dp.zero3.gathered()  # a load sets the shards through the optimizer
-        if self.prefetch is not None:
-            self.prefetch.wait()
-        return contextlib.nullcontext()
+        return checkpointing.whole_weights(self)
 
     def _save(self, step: int) -> str:
-        with self._whole_weights():  # the weights are read outside a forward
-            return ckpt.save_checkpoint(
-                self.cfg.run.dir,
-                step,
-                self.model,
-                self.opt,
-                self.mesh,
-                extra={
-                    "config": self.cfg.to_dict(),
-                    "model_config": dataclasses.asdict(self.model_config),
-                    **({"sparsity": self.sparsity.state_dict()} if self.sparsity else {}),
-                    **self.ema.extra(),  # collective: the EMA gathered whole
-                },
-                config=self.plan.to_dict(),  # meta.json records the resolved run plan
-                keep=self.cfg.checkpoint.keep,
-            )
+        return checkpointing.save(self, step)
 
     def item(self, batch: dict):
         """(micro-batch ready for the model on this rank, forward(model) on its rows): the
         objective's rows, this rank's cp slice, host-side counts, moved to the device."""
         if not self.objective.token_rows:  # images, timesteps, labels...: the objective runs them
             item = to_device(self.objective.rows(batch), self.ctx.device)
+            if self.encoder:  # the decoder on the rows the seam delivers
+                return item, self.encoder.forward(item, batch)
             return item, lambda model: self.objective.forward(model, item)
         rows, rope = prepare_rows(
             self.objective.rows(batch),
@@ -294,6 +269,8 @@ class Trainer:
         """This rank's micro-batches of `step`, prepared (_with_reference), with the objective's
         per-step state (SFT's global count) and the scorer's replica count set."""
         micro = loader.batches(step)
+        if self.encoder:  # the encoder's share of the step's images; micro-batches numbered
+            self.encoder.begin(loader, step, micro)
         self.objective.training, self.objective.step = loader is self.loader, step
         if self.objective.uses_global_batch:
             self.objective.prepare(loader.global_batch(step))
@@ -408,7 +385,8 @@ class Trainer:
             skipped += bool(row.get("skipped"))
             if skipped:
                 row["skipped_steps"] = skipped  # counted for the whole run (this process)
-            if (t.eval_interval and done % t.eval_interval == 0) or done == t.steps:
+            evaluate, saving, exiting = checkpointing.events(self.cfg, done)
+            if evaluate:
                 row["val_loss"] = self.validate()
                 row.update(self.val_metrics)
             if step > self.start_step + 2:  # the first steps pay for warm-up, not steady state
@@ -416,8 +394,7 @@ class Trainer:
             self.metrics.log(row)
             if bad_in_row:
                 check_bad(self.cfg.train, row, bad_in_row, self.lead)
-            exiting = bool(t.exit_interval) and done % t.exit_interval == 0 and done < t.steps
-            if (c.interval and done % c.interval == 0) or done == t.steps or exiting:
+            if saving:
                 last_ckpt = self._save(done)
             if exiting:
                 break
@@ -433,11 +410,11 @@ class Trainer:
         with self._whole_weights() if c.export_safetensors or c.export_hf else contextlib.nullcontext():
             if c.export_safetensors:  # exports read the weights outside a forward
                 summary["safetensors"] = export_safetensors(
-                    self.model, self.mesh, os.path.join(self.cfg.run.dir, "model.safetensors")
+                    self.whole, self.mesh, os.path.join(self.cfg.run.dir, "model.safetensors")
                 )
             if c.export_hf:
                 summary["hf"] = export_hf(
-                    self.model,
+                    self.whole,
                     self.mesh,
                     os.path.join(self.cfg.run.dir, "hf"),
                     self.model_config,

@@ -77,9 +77,13 @@ def test_family_without_an_encoder_is_refused():
         make_plan(cfg, 2, ranks=False, need_data=False)
 
 
-def test_a_run_that_would_start_is_refused_until_the_trainer_builds_modules():
-    with pytest.raises(ConfigError, match="not by the trainer yet"):
-        _plan(("parallel.tp", "2"), ("modules.encoder.dp", "4"), run=True)
+def test_a_run_that_starts_plans_what_the_trainer_runs():
+    """A run that starts gets the layout the trainer builds (tests/train/test_vlm_modules.py);
+    what it does not build yet is refused in one line (the dry run plans it)."""
+    plan = _plan(("parallel.tp", "2"), ("modules.encoder.dp", "4"), run=True)
+    assert plan.modules["encoder"]["dp"] == 4 and plan.modules["mode"] == "colocated"
+    with pytest.raises(ConfigError, match="modules.encoder_tp=2 with \\[modules\\]"):
+        _plan(("parallel.tp", "2"), ("modules.encoder.tp", "2"), run=True)
 
 
 def test_the_planner_predicts_a_per_module_layout_on_its_machine():

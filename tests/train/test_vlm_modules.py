@@ -1,0 +1,130 @@
+"""Per-module layouts in the real trainer (`[modules]`, train/modules_run.py): the vision encoder in
+a layout of its own, joined to the decoder through the seam, equals one process — per-step
+caption losses, gradient norms (over both modules: clipping is the one-device model's) and the
+validation loss — colocated (the encoder at its own dp over every rank while the decoder runs
+tp or tp x dp) and disaggregated (the encoder on its own ranks, one micro-batch ahead of the
+decoder), at world sizes 2, 3 and 4. A `[modules]` checkpoint holds both modules under their
+one-device names: one process resumes it and continues exactly.
+What the trainer does not run with `[modules]` is refused in one line before any worker starts.
+
+The one-process reference and the run settings are test_vlm_trainer.py's (gbs 12, micro 2: the
+4-rank layouts run 3 micro-batches a step, so the seam's sends cross micro-batches).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshspeed.comm import ConfigError
+from meshspeed.plan import config
+from meshspeed.plan.run_plan import make_plan
+from meshspeed.train.modules_run import EncoderWorker, encoder_only
+from meshspeed.train.trainer import Trainer
+from tests import harness
+from tests.train.test_vlm_trainer import BASE, STEPS, reference
+
+
+def _build(ctx, run_dir: str, extra: list, steps: int = STEPS):
+    cfg = config.load(None, BASE + [("run.dir", run_dir), ("train.steps", str(steps))] + extra)
+    plan = make_plan(cfg, ctx.world_size, ranks=False)
+    plan.device, plan.device_info["backend"] = ctx.device.type, ctx.backend
+    return (EncoderWorker if encoder_only(plan, ctx) else Trainer)(cfg, ctx, plan)
+
+
+def job_rows(ctx, run_dir: str, extra: list):
+    """Every step's [loss, grad norm] and the validation loss on the decoder's ranks; None on an
+    encoder-only rank (which runs the same steps and validation in step with them)."""
+    trainer = _build(ctx, run_dir, extra)
+    rows = [trainer.train_step(s) for s in range(STEPS)]
+    val = trainer.validate()
+    if isinstance(trainer, EncoderWorker):
+        return None
+    return [[r["loss"], r["grad_norm"]] for r in rows] + [[val]]
+
+
+LAYOUTS = [  # (name, world, settings, decoder ranks)
+    ("ws2-colocated-enc-dp2-dec-tp2", 2, [("modules.encoder_dp", "2"), ("parallel.tp", "2")], 2),
+    ("ws2-disaggregated-enc-1", 2, [("modules.encoder_ranks", "1")], 1),
+    ("ws3-colocated-enc-dp3-zero2", 3, [("modules.encoder_dp", "3"), ("parallel.zero", "2")], 3),
+    ("ws3-disaggregated-enc-2-dec-dp2", 3, [("modules.encoder_ranks", "2")], 2),
+    ("ws4-colocated-enc-dp4-dec-tp2xdp2", 4, [("modules.encoder_dp", "4"), ("parallel.tp", "2")], 4),
+    (
+        "ws4-disaggregated-enc-dp2-dec-tp2",
+        4,
+        [("modules.encoder_ranks", "2-3"), ("parallel.tp", "2"), ("parallel.zero", "1")],
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize("name,ws,extra,n_dec", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_module_layout_equals_one_process(tmp_path_factory, name, ws, extra, n_dec):
+    want = reference(tmp_path_factory)
+    got = harness.run(ws, job_rows, str(tmp_path_factory.mktemp(f"vlm-mod-{name}")), extra)
+    dec = [g for g in got if g is not None]
+    assert len(dec) == n_dec, f"{name}: {len(dec)} decoder ranks reported"
+    assert all(g == dec[0] for g in dec), f"{name}: decoder ranks disagree"
+    for step, (g, w) in enumerate(zip(dec[0], want, strict=True)):
+        for i, (a, b) in enumerate(zip(g, w, strict=True)):
+            tol = (2e-4 if i == 1 else 2e-5) * max(abs(b), 0.05)  # the norm sums more roundings
+            assert abs(a - b) <= tol, f"{name} step {step} column {i}: {a} vs one process {b}"
+
+
+def job_save(ctx, run_dir: str, extra: list) -> None:
+    trainer = _build(ctx, run_dir, extra, steps=STEPS + 1)
+    trainer.train_step(0)
+    trainer.train_step(1)
+    checkpointing_save(trainer, 2)
+
+
+def checkpointing_save(trainer, step: int) -> None:
+    from meshspeed.train.checkpointing import save
+
+    save(trainer, step)
+
+
+def job_resume_one_process(ctx, run_dir: str):
+    """One process, no [modules]: resume the layout's checkpoint at step 2, run step 2."""
+    cfg = config.load(
+        None, BASE + [("run.dir", run_dir), ("train.steps", str(STEPS + 1)), ("checkpoint.resume", "latest")]
+    )
+    trainer = Trainer(cfg, ctx)
+    assert trainer.start_step == 2
+    row = trainer.train_step(2)
+    return [row["loss"], row["grad_norm"]]
+
+
+def job_rows3(ctx, run_dir: str):
+    cfg = config.load(None, BASE + [("run.dir", run_dir), ("train.steps", str(STEPS + 1))])
+    trainer = Trainer(cfg, ctx)
+    row = [trainer.train_step(s) for s in range(3)][-1]
+    return [row["loss"], row["grad_norm"]]
+
+
+def test_modules_checkpoint_resumes_in_one_process(tmp_path):
+    """Disaggregated at world 4 (encoder dp 2 on ranks 2-3, decoder tp 2 on 0-1) for 2 steps,
+    saved; one process resumes it: step 2's loss and norm equal an uninterrupted one process's
+    (the encoder's weights and AdamW state were saved, under the one-device names)."""
+    extra = [("modules.encoder_ranks", "2-3"), ("parallel.tp", "2")]
+    harness.run(4, job_save, str(tmp_path / "run"), extra)
+    got = harness.run(1, job_resume_one_process, str(tmp_path / "run"))[0]
+    want = harness.run(1, job_rows3, str(tmp_path / "ref"))[0]
+    for a, b, tol in zip(got, want, (2e-5, 2e-4)):
+        assert abs(a - b) <= tol * max(abs(b), 0.05), f"resumed {got} vs uninterrupted {want}"
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ([("modules.encoder_tp", "2")], "modules.encoder_tp=2 with .* runs the encoder at tp 1"),
+        ([("modules.encoder_dp", "2"), ("parallel.zero", "3")], "parallel.zero=3 with \\[modules\\]"),
+        ([("modules.encoder_ranks", "0")], "rank 0 logs the loss .* e.g. '1'"),
+        ([("modules.encoder_ranks", "1"), ("checkpoint.export_hf", "true")], "export the checkpoint after"),
+        ([("modules.encoder_dp", "2"), ("parallel.pp", "2")], "pp = cp = 1"),
+    ],
+)
+def test_train_refuses_what_modules_do_not_run_in_one_line(tmp_path, extra, match):
+    cfg = config.load(None, BASE + [("run.dir", str(tmp_path))] + extra)
+    with pytest.raises(ConfigError, match=match) as err:
+        make_plan(cfg, 2, ranks=False)
+    assert "\n" not in str(err.value)
