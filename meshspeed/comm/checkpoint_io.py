@@ -212,7 +212,9 @@ def _dtensor(local, sub, names, by_dim, sharding):
 
 
 def _state(tensors: dict[str, torch.Tensor], specs: dict[str, Sharding], mesh) -> dict:
-    return {k: _wrap(k, t.detach(), specs.get(k), mesh) for k, t in tensors.items()}
+    # a mesh with mesh_for (train/modules_run.Placement): each tensor placed on its module's mesh
+    at = getattr(mesh, "mesh_for", lambda k: mesh)
+    return {k: _wrap(k, t.detach(), specs.get(k), at(k)) for k, t in tensors.items()}
 
 
 def save(path: str, tensors: dict[str, torch.Tensor], specs: dict[str, Sharding], mesh) -> None:

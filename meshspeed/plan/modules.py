@@ -221,15 +221,15 @@ def attach(plan, cfg, config, recipe, dec_dims: ParallelDims, microbatches: int,
 
 def check_trainable(cfg, layout: dict) -> None:
     """What `meshspeed train` refuses of a per-module layout (the dry run plans all of it)."""
-    e, m, p = layout["encoder"], cfg.modules, cfg.parallel
+    e, m = layout["encoder"], cfg.modules
     world = len(set(e["ranks"]) | set(layout["decoder"]["ranks"]))
     last = f"{world - len(e['ranks'])}-{world - 1}" if len(e["ranks"]) > 1 else str(world - 1)
     apart = layout["mode"] == "disaggregated"
     refusals = (
-        (e["tp"] > 1, f"modules.encoder_tp={m.encoder_tp}", "the trainer runs the encoder at tp 1 so far "
-         "(encoder tp runs model-level: benchmarks/vlm.py); use modules.encoder_tp=1"),
-        (p.zero == 3, "parallel.zero=3", "ZeRO-3 is not built for the encoder's own layout; use "
-         "parallel.zero=2 (both modules' states sharded, the weights whole)"),
+        (e["tp"] > 1 and (cfg.checkpoint.export_hf or cfg.checkpoint.export_safetensors),
+         f"modules.encoder_tp={m.encoder_tp} and checkpoint.export_hf/export_safetensors", "exports "
+         "gather over one mesh's tp; export the checkpoint afterwards (meshspeed convert --checkpoint RUN "
+         "--to-hf DIR)"),
         (apart and 0 in e["ranks"], f"modules.encoder_ranks={m.encoder_ranks!r}",
          f"rank 0 logs the loss and must run the decoder; give the encoder the last ranks, e.g. '{last}'"),
         (apart and (cfg.checkpoint.export_hf or cfg.checkpoint.export_safetensors),

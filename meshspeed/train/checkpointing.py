@@ -38,7 +38,8 @@ def resume(trainer, which: str) -> int:
     """Load the checkpoint `which` names ('latest', 'auto' or a path: checkpoint.dirs.resume_path)
     and return its step (0: 'auto' found none)."""
     cfg, lead = trainer.cfg, trainer.lead
-    path, verified = resume_path(which, cfg.run.dir, trainer.mesh, lead)
+    mesh = getattr(trainer, "ckpt_mesh", trainer.mesh)  # [modules]: each tensor on its module's mesh
+    path, verified = resume_path(which, cfg.run.dir, mesh, lead)
     if path is None:
         return 0
     if not cfg.checkpoint.allow_data_change:  # the same on every rank: rank 0 says it
@@ -47,7 +48,7 @@ def resume(trainer, which: str) -> int:
         except ConfigError as e:
             raise echo(e, not lead) from None
     with whole_weights(trainer):
-        state = ckpt.load_checkpoint(path, trainer.whole, trainer.opt, trainer.mesh, verify=not verified)
+        state = ckpt.load_checkpoint(path, trainer.whole, trainer.opt, mesh, verify=not verified)
     if getattr(trainer, "sparsity", None) is not None:
         trainer.sparsity.load_state_dict((state["extra"] or {}).get("sparsity"))
     if getattr(trainer, "ema", None) is not None:
@@ -65,7 +66,7 @@ def save(trainer, step: int) -> str:
             step,
             trainer.whole,
             trainer.opt,
-            trainer.mesh,
+            getattr(trainer, "ckpt_mesh", trainer.mesh),
             extra={
                 "config": trainer.cfg.to_dict(),
                 "model_config": dataclasses.asdict(trainer.model_config),

@@ -71,6 +71,8 @@ def prepare_run_dir(cfg: config_mod.Config, *, lead: bool) -> None:
 
 
 def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
+    from meshspeed.plan.modules import describe as describe_modules
+
     p = trainer.mesh.dims
     n = sum(x.numel() for x in trainer.model.parameters())
     pp = f"pp {p.pp} × " if p.pp > 1 else ""
@@ -80,6 +82,8 @@ def print_summary(cfg: config_mod.Config, trainer, s: dict) -> None:
         f"{pp}dp {p.dp} × {cp}tp {p.tp}{f' (ep {p.ep})' if p.ep > 1 else ''}, zero {cfg.parallel.zero}, "
         f"{cfg.train.dtype}"
     )
+    if trainer.plan.modules:  # [modules]: the line above is the decoder's layout
+        print("  " + describe_modules(trainer.plan.modules)[0].strip())
     if s["final_loss"] is not None:
         val = f", val loss {s['val_loss']:.4f}" if s["val_loss"] is not None else ""
         print(f"  final train loss {s['final_loss']:.4f}{val}")

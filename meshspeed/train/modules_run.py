@@ -261,6 +261,25 @@ class EncoderSide:
         return lambda model: self.unit.decode(model, item, self.rows(a))
 
 
+class Placement:
+    """The mesh a checkpoint places each tensor on: the encoder's for the encoder's FQNs (split
+    over its own tp), the decoder's for the rest; everything else (the world, the lead, the
+    pipeline degree) is the decoder's mesh's. comm/checkpoint_io asks `mesh_for(key)` of each
+    "model.<fqn>" / "optim.<fqn>.<state>" key."""
+
+    def __init__(self, base, side: EncoderSide):
+        self._base, self._encoder, self._unit = base, side.mesh, side.unit
+
+    def mesh_for(self, key: str):
+        return self._encoder if self._unit.owns(key.split(".", 1)[1]) else self._base
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+    def __getitem__(self, name):
+        return self._base[name]
+
+
 def join(trainer) -> None:
     """Give the trainer the encoder (colocated, or the decoder's side of a disaggregated layout):
     its DataParallel and optimizer joined to the decoder's, its model to the checkpoints'."""

@@ -127,12 +127,14 @@ class Trainer:
 
         def load_weights(model):  # model.init_from a meshspeed checkpoint
             if init_weights:
-                ckpt.load_checkpoint(init_weights, model, None, self.mesh, strict=False, restore_rng=False)
+                mesh = getattr(self, "ckpt_mesh", self.mesh)  # [modules]: each module's own
+                ckpt.load_checkpoint(init_weights, model, None, mesh, strict=False, restore_rng=False)
 
         # DPO's frozen reference: the starting weights in this layout, built before any update
         self.reference = Reference(self, experts, load_weights) if self.objective.needs_reference else None
         self.encoder = meshes and modules_run.EncoderSide(cfg, ctx, whole_recipe, *meshes, DTYPES[t.dtype])
         self.whole = modules_run.Both(self.model, self.encoder.model) if meshes else self.model
+        self.ckpt_mesh = modules_run.Placement(self.mesh, self.encoder) if meshes else self.mesh
         load_weights(self.whole)  # before the optimizer copies the weights into its masters
         self.dp, self.opt = build_data_parallel(
             self.model,

@@ -82,8 +82,8 @@ def test_a_run_that_starts_plans_what_the_trainer_runs():
     what it does not build yet is refused in one line (the dry run plans it)."""
     plan = _plan(("parallel.tp", "2"), ("modules.encoder.dp", "4"), run=True)
     assert plan.modules["encoder"]["dp"] == 4 and plan.modules["mode"] == "colocated"
-    with pytest.raises(ConfigError, match="modules.encoder_tp=2 with \\[modules\\]"):
-        _plan(("parallel.tp", "2"), ("modules.encoder.tp", "2"), run=True)
+    with pytest.raises(ConfigError, match="modules.encoder_ranks='0-1' with \\[modules\\]: rank 0 logs"):
+        _plan(("parallel.tp", "2"), ("modules.encoder.ranks", "0-1"), run=True)
 
 
 def test_the_planner_predicts_a_per_module_layout_on_its_machine():

@@ -78,6 +78,8 @@ EXTRA = {
     "flow.ema_decay": ["0.9"],
     "flow.sample_n": ["1"],
     "flow.sample_guidance": ["1.0"],
+    "modules.encoder_ranks": ["1"],  # disaggregated: the encoder on rank 1 (EncoderWorker)
+    "modules.encoder_tp": ["2"],  # colocated: the encoder at tp 2 beside the decoder's dp 2
 }
 
 SKIP = {
@@ -111,10 +113,6 @@ SKIP = {
     "moe.bias_update_rate": "a rate of moe.balance=bias, walked with it",
     "moe.aux_loss_coef": "a weight (< 0 = the preset's)",
     "moe.z_loss_coef": "a weight (< 0 = the preset's)",
-    # per-module layouts: planned and checked (tests/plan/test_modules.py), run model-level through
-    # the seam (tests/parallel/test_seam.py); the trainer does not build them yet (issue 43)
-    "modules.encoder_ranks": "a rank list: tests/plan/test_modules.py; the trainer does not run it yet",
-    "modules.encoder_tp": "a degree: tests/plan/test_modules.py; the trainer does not run it yet",
 }
 for _key in ("steps", "seed", "global_batch_size", "micro_batch_size", "seq_len", "lr", "min_lr_ratio"):
     SKIP[f"train.{_key}"] = "a size or rate of every run, not a feature"
@@ -180,10 +178,7 @@ ACTS_FROM = {
 }
 
 # values no layout here accepts, and why (a value refused everywhere without an entry fails)
-REFUSED: dict[str, str] = {
-    "modules.encoder_dp=1": "per-module layouts are planned (--dry-run) and proven model-level "
-    "(tests/parallel/test_seam.py); the trainer does not run them yet, so the plan refuses a run",
-}
+REFUSED: dict[str, str] = {}
 
 # one value per section for CI
 CI_PICKS = [
@@ -198,7 +193,7 @@ CI_PICKS = [
     "moe.dispatcher=allgather",
     "dpo.loss=ipo",
     "flow.t_sampling=uniform",
-    "modules.encoder_dp=1",  # REFUSED (skips with the reason) until the trainer runs [modules]
+    "modules.encoder_ranks=1",  # disaggregated: an EncoderWorker rank beside the trainer
 ]
 
 
@@ -270,9 +265,13 @@ def job_walk(ctx, plan_dict: dict) -> tuple:
     """What the launcher's worker does with the plan it is handed (train/job.py worker), on the
     pool's gloo ranks: (final loss, validation loss)."""
     from meshspeed.train.job import from_dict
+    from meshspeed.train.modules_run import EncoderWorker, encoder_only
     from meshspeed.train.trainer import Trainer
 
     plan = RunPlan.from_dict(plan_dict)
+    if encoder_only(plan, ctx):  # [modules] disaggregated: this rank runs the encoder's loop
+        EncoderWorker(from_dict(plan.config), ctx, plan).run()
+        return None
     summary = Trainer(from_dict(plan.config), ctx, plan).run()
     return summary["final_loss"], summary["val_loss"]
 
@@ -286,7 +285,7 @@ def _walk(key: str, value: str, run_dir: str, files: dict) -> None:
         raise AssertionError(f"{what}: no layout accepts it:\n  " + "\n  ".join(ws))  # ws: the refusals
     plan_dict = json.loads(json.dumps(plan.to_dict()))  # as the launcher hands it over
     results = harness.run(ws, job_walk, plan_dict, timeout=180)
-    for loss, val in results:
+    for loss, val in [r for r in results if r is not None]:  # None: an encoder-only rank
         # no validation when train.exit_interval ends the run before train.steps
         ok = math.isfinite(loss) and (val is None or math.isfinite(val))
         assert ok, f"{what} at {name}: loss {loss}, val {val}"
