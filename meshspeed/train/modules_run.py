@@ -22,9 +22,11 @@ encoder's rows carry the gradient of one decoder rank's loss, summed over the en
 by its own DataParallel, which averages over the encoder's dp. So the rows' gradient is scaled
 by encoder dp / decoder dp on the way back (seam.producer_grad_divisor's convention).
 
-Not built yet (refused by the run plan in one line): the encoder at tp > 1 in the trainer
-(checkpoints place a tensor on one mesh), the encoder under ZeRO-3 (its forward does not pass
-through the model's root, where ZeRO-3 gathers the rest), pp/cp with modules.
+Checkpoint tensors are placed on their own module's mesh (Placement), so the encoder may run
+at its own tp. The encoder runs ZeRO-2 when parallel.zero is 3 (its forward does not pass the
+model's root, where ZeRO-3 gathers the rest; it is the small module). Not built (refused by
+the run plan in one line): pp or cp with [modules]; exports at the end of a disaggregated run
+or with the encoder at tp > 1 (convert the checkpoint afterwards); sparsity.
 """
 
 from __future__ import annotations
