@@ -41,7 +41,6 @@ from torch import nn
 from meshspeed.comm import ParallelDims
 from meshspeed.comm.module_mesh import ModuleMesh
 from meshspeed.comm.placement import chunk_bounds
-from meshspeed.data.records import take
 from meshspeed.parallel import seam as S
 from meshspeed.parallel.materialize import build_parallel_model
 from meshspeed.parallel.optim import build_data_parallel, clip_coefficient, grad_norm
@@ -246,7 +245,7 @@ class EncoderSide:
         offs = chunk_bounds(n, self.mesh.dims.dp)
         for a in range(len(rows) // n):
             mine = rows[a * n : (a + 1) * n][offs[j] : offs[j + 1]]
-            self._chunks.append(take(loader.records, mine)[self.unit.input])
+            self._chunks.append(loader.records[self.unit.input][mine])  # the images only
 
     def rows(self, a: int) -> torch.Tensor:
         """Micro-batch a: this rank's encoder rows sent, its decoder rows received (empty off
