@@ -29,7 +29,8 @@ def register(sub) -> None:
         "--image",
         metavar="FILE",
         help="a vision-language model (family vlm, --checkpoint) captions this image (PNG/JPEG, "
-        "resized to the model's image_size), or answers each --prompt about it; greedy, tp/dp",
+        "resized to the model's image_size), or answers each --prompt about it (--chat: as a user "
+        "turn, <image> marking where the image goes); KV cache, sampling, tp/dp/pp as for text",
     )
     p.add_argument("--prompts", metavar="FILE", help="text file, one prompt per line")
     p.add_argument(
@@ -88,7 +89,7 @@ def run(args) -> int:
             SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
         except ValueError as e:
             raise ConfigError(f"--{e}") from None
-        if args.image:  # a vlm: the image's placeholders, then each prompt (infer/vlm_generate.py)
+        if args.image:  # a vlm: the image's placeholders and each prompt (infer/vlm_generate.py)
             from meshspeed.infer.vlm_generate import resolve, worker
         job = resolve(opts)
     except (ConfigError, ValueError) as err:

@@ -1,21 +1,26 @@
 """`meshspeed generate --image FILE [--prompt TEXT]...`: a vision-language model (family 'vlm')
-captions or answers about one image, greedily, on one process or under tp / dp.
+captions or answers about one image, with the text families' key/value cache and sampling, on
+one process or under tp, dp and pp.
 
 The launcher side (resolve) reads the checkpoint's config, the image (Pillow: RGB, resized to
 the model's image_size, scaled to [-1, 1] as the training records are) and the prompts, and
-checks the layout, so bad input costs one line; each prompt becomes the image's placeholders
-followed by its bytes (the training records' layout: placeholders first). The workers build the
-model in the layout (tp: sharded as in training), load the weights and decode
-(infer/captions.greedy); dp replicas take contiguous shares of the prompts and the ids are
-gathered back in prompt order, so every layout prints the same text.
+checks the layout, so bad input costs one line. Each prompt becomes the image's placeholders
+followed by its bytes (the caption and question records' layout), or with --chat the user turn
+and generation prompt exactly as a training conversation renders them (data/image_chat.py).
+The workers build the model in the layout (as in training; pp: the ViT and projector on stage
+0), load the weights, run the ViT once and decode through the text path's generators
+(infer/vlm_decode.py): the same ids as the uncached infer/captions.greedy, and with a --seed the
+same sampled ids under every layout.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 from meshspeed import comm
 from meshspeed.comm import ConfigError
+from meshspeed.models.vlm_config import image_tokens
 
 
 def load_image(path: str, size: int):
@@ -27,36 +32,77 @@ def load_image(path: str, size: int):
     return torch.from_numpy(read_rgb(path, size, "--image").copy())
 
 
+def chat_prompt(text: str, config) -> list[int]:
+    """A --chat prompt: the tokens a training conversation (data/image_chat.py) puts before its
+    answer, i.e. the user turn (the image where `<image>` stands, else opening the turn) and the
+    generation prompt. Cut from a rendered training conversation at its first label, so the two
+    cannot drift apart."""
+    from meshspeed.data.image_chat import conversation_sequence
+
+    turns = [{"role": "user", "content": text}, {"role": "assistant", "content": "."}]
+    ids, labels = conversation_sequence(turns, "--prompt", image_tokens(config), config.image_token_id)
+    first = next(i for i, lab in enumerate(labels) if lab != -100)  # predicts the answer's first token
+    return ids[: first + 1]
+
+
+def _prompt_texts(opts: dict) -> list[str]:
+    texts = list(opts.get("prompt") or [])
+    if opts.get("prompts"):
+        try:
+            with open(opts["prompts"]) as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(
+                f"--prompts={opts['prompts']!r} cannot be read ({e.strerror}); pass a text file"
+            )
+    return texts or [""]  # no prompt: a caption (--chat: a user turn holding the image alone)
+
+
 def resolve(opts: dict) -> dict:
     """Checked, plain-data job from generate's options (commands/generate.py) with --image."""
+    from meshspeed.data.chat_template import END_OF_TURN_ID
+    from meshspeed.data.corpus import DataError
     from meshspeed.interop.model_source import checkpoint_model_config
     from meshspeed.models import recipe_for
-    from meshspeed.models.vlm_config import image_tokens
     from meshspeed.parallel.tensor import check_tp
 
     if not opts.get("checkpoint"):
         raise ConfigError("--image needs --checkpoint DIR: a vlm run directory or checkpoint")
-    for flag, on in (("--chat", opts.get("chat")), ("--prompts", opts.get("prompts"))):
-        if on:
-            raise ConfigError(f"{flag} with --image is not built; give the question as --prompt TEXT")
-    if opts["temperature"] != 0.0 or opts["pp"] != 1:
-        raise ConfigError(
-            f"--image decodes greedily under tp and dp: --temperature={opts['temperature']} and "
-            f"--parallel.pp={opts['pp']} are not built for it; use --temperature 0 and pp 1"
-        )
     config = checkpoint_model_config(opts["checkpoint"], "--checkpoint")
     if config.family != "vlm":
         raise ConfigError(
             f"--image with a {config.family!r} model: --checkpoint must hold a vlm (e.g. a run of "
             "configs/vlm-tiny.toml)"
         )
-    tp, dp, nproc = opts["tp"], opts["dp"], opts["nproc"]
-    if tp * dp != nproc:
-        raise ConfigError(f"--parallel.tp={tp} × --parallel.dp={dp} = {tp * dp} must equal --nproc={nproc}")
+    tp, dp, pp, nproc = opts["tp"], opts["dp"], opts.get("pp", 1), opts["nproc"]
+    if tp * dp * pp != nproc:
+        raise ConfigError(
+            f"--parallel.tp={tp} × --parallel.dp={dp} × --parallel.pp={pp} = {tp * dp * pp} must equal "
+            f"--nproc={nproc}"
+        )
     check_tp(tp, recipe_for(config))
-    texts = list(opts.get("prompt") or [""])  # no prompt: a caption
+    if pp > 1:  # the training split (the ViT and projector go with the embedding, on stage 0)
+        from meshspeed.parallel.pipeline.stage import stage_layouts
+
+        try:
+            stage_layouts(recipe_for(config), pp)
+        except ValueError as err:
+            raise ConfigError(f"--parallel.pp={pp}: {err}") from None
+    texts = _prompt_texts(opts)
     n_img = image_tokens(config)
-    ids = [[config.image_token_id] * n_img + list(t.encode("utf-8")) for t in texts]
+    if opts.get("chat"):
+        try:
+            ids = [chat_prompt(t, config) for t in texts]
+        except DataError as err:
+            raise ConfigError(f"--chat: {err}") from None
+    else:  # the caption and question records' layout: placeholders first, then the bytes
+        ids = [[config.image_token_id] * n_img + list(t.encode("utf-8")) for t in texts]
+    starts = sorted({i.index(config.image_token_id) for i in ids})
+    if len(starts) > 1:  # one M-RoPE table serves every prompt (infer/vlm_decode.py)
+        raise ConfigError(
+            f"--chat: the prompts put <image> at different tokens ({', '.join(map(str, starts))}); "
+            "one run decodes prompts whose image sits at the same place: run the others apart"
+        )
     longest = max(len(i) for i in ids) + opts["max_new_tokens"]
     if longest > config.max_seq_len:
         raise ConfigError(
@@ -65,52 +111,51 @@ def resolve(opts: dict) -> dict:
             f"{config.max_seq_len - longest + opts['max_new_tokens']}"
         )
     image = load_image(opts["image"], config.image_size)
-    return {**opts, "texts": texts, "ids": ids, "pixels": image.tolist(), "device": "cpu"}
+    return {**opts, "pp": pp, "texts": texts, "ids": ids, "image_at": starts[0], "eos_id": END_OF_TURN_ID,
+            "pixels": image.tolist(), "device": "cpu"}  # fmt: skip
 
 
-def decode(model, config, job: dict, rows: range) -> list[list[int]]:
-    """Greedy continuations of job's prompts `rows` (one at a time: prompts differ in length)."""
+def load(job: dict, mesh):
+    """(this rank's model, its PipelineStages or None, the ModelConfig) from job's checkpoint
+    (a run directory: its newest checkpoint that verifies), in job's layout."""
+    from meshspeed.checkpoint.dcp import load_checkpoint
+    from meshspeed.checkpoint.dirs import COMPLETE, CheckpointError, newest_verified
+    from meshspeed.infer.parallel import build_inference_model
+    from meshspeed.interop.model_source import checkpoint_model_config
+    from meshspeed.models import recipe_for
+
+    path = job["checkpoint"]
+    if not os.path.isfile(os.path.join(path, COMPLETE)):
+        path, skipped = newest_verified(path, mesh)
+        if path is None:
+            raise CheckpointError(f"--checkpoint={job['checkpoint']!r}: no checkpoint verifies ({skipped})")
+    config = checkpoint_model_config(path, "--checkpoint")
+    model, stages = build_inference_model(recipe_for(config), mesh)
+    load_checkpoint(path, model, None, mesh, restore_rng=False)
+    return model.eval(), stages, config
+
+
+def answer(job: dict, ctx, stats=None) -> list[dict] | None:
+    """On every rank of `ctx`: build the model in job's layout, load the weights, decode with the
+    key/value cache (infer/vlm_decode.py); the rows {"prompt", "token_ids", "text"} in prompt
+    order on rank 0, else None."""
     import torch
 
-    from meshspeed.infer.captions import greedy
+    from meshspeed.infer.captions import text_of
+    from meshspeed.infer.generate import SamplingConfig
+    from meshspeed.infer.vlm_decode import decode
 
-    image = torch.tensor(job["pixels"])[None]
-    return [
-        greedy(model, config, torch.tensor([job["ids"][r]]), image, job["max_new_tokens"])[0] for r in rows
-    ]
-
-
-def gather_rows(local: list[list[int]], offs: list[int], group) -> list[list[int]]:
-    """Every replica's id lists (replica r holds rows offs[r]..offs[r+1]) in row order, on
-    every rank: one all-gather of [rows, longest] padded with -1 (the ids are never negative)."""
-    import torch
-
-    width = max([len(x) for x in local] + [1])
-    width = int(comm.all_reduce(torch.tensor([width], device=group.ctx.device), group, "max")[0])
-    pad = torch.full((offs[-1], width), -1, dtype=torch.long, device=group.ctx.device)
-    mine = pad[: len(local)].clone()
-    for i, ids in enumerate(local):
-        mine[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    sizes = [offs[r + 1] - offs[r] for r in range(group.size)]
-    rows = comm.all_gather(mine, group, sizes=sizes).tolist()
-    return [[t for t in row if t >= 0] for row in rows]
-
-
-def answer(job: dict, ctx) -> list[dict] | None:
-    """On every rank of `ctx`: build the model in job's layout, load the weights, decode this
-    rank's share; the rows {"prompt", "token_ids", "text"} in prompt order on rank 0, else None."""
-    from meshspeed.comm.algorithms import bounds
-    from meshspeed.infer.captions import load_run_model, text_of
-
-    mesh = comm.ParallelDims(tp=job["tp"], dp=job["dp"]).build(ctx)
-    model, config, _ = load_run_model(job["checkpoint"], mesh, "--checkpoint")
-    n = len(job["ids"])
-    if job["dp"] > 1:  # replica r: prompts bounds(n, dp)[r]..[r+1], gathered back in order
-        dp = mesh.group("dp")
-        offs = bounds(n, dp.size)
-        out = gather_rows(decode(model, config, job, range(offs[dp.rank], offs[dp.rank + 1])), offs, dp)
-    else:
-        out = decode(model, config, job, range(n))
+    mesh = comm.ParallelDims(tp=job["tp"], dp=job["dp"], pp=job["pp"]).build(ctx)
+    model, stages, config = load(job, mesh)
+    features = None
+    if model.embed is not None:  # the ViT once, on the ranks holding the embedding (pp: stage 0)
+        with torch.no_grad():
+            image = torch.tensor(job["pixels"], device=ctx.device)[None]
+            features = model.embed.image_features(image)  # [1, n_img, dim]
+    sampling = SamplingConfig(job["temperature"], job["top_k"], job["top_p"], job["seed"])
+    out = decode(model, stages, mesh, config, job["ids"], features, job["image_at"],
+                 max_new_tokens=job["max_new_tokens"], sampling=sampling, eos_id=job["eos_id"],
+                 stats=stats)  # fmt: skip
     if ctx.rank != 0:
         return None
     return [{"prompt": p, "token_ids": o, "text": text_of(o)} for p, o in zip(job["texts"], out, strict=True)]
@@ -118,14 +163,25 @@ def answer(job: dict, ctx) -> list[dict] | None:
 
 def worker(job: dict) -> None:
     """Every rank: answer(); rank 0 prints each prompt with its answer (and writes --json)."""
+    from meshspeed.infer.generate import Stats
+
     ctx = comm.init(device=job["device"])
     try:
-        rows = answer(job, ctx)
+        stats = Stats()
+        rows = answer(job, ctx, stats)
         if rows is not None:
             for r in rows:
-                print(f"{job['image']}: {r['prompt']}{r['text']}", flush=True)
+                if job.get("chat"):
+                    print(f"user: [{job['image']}] {r['prompt']}\nassistant: {r['text']}\n", flush=True)
+                else:
+                    print(f"{job['image']}: {r['prompt']}{r['text']}", flush=True)
             if job.get("json"):
                 with open(job["json"], "w") as f:
                     json.dump({"image": job["image"], "outputs": rows}, f, indent=1)
+            print(
+                f"meshspeed generate: {stats.line()} (rank 0 of {ctx.world_size}; the image's ViT "
+                "runs once, before the prefill)",
+                flush=True,
+            )
     finally:
         ctx.close()
