@@ -48,7 +48,11 @@ def resume(trainer, which: str) -> int:
         except ConfigError as e:
             raise echo(e, not lead) from None
     with whole_weights(trainer):
-        state = ckpt.load_checkpoint(path, trainer.whole, trainer.opt, mesh, verify=not verified)
+        # disaggregated [modules]: a rank holds one module, as a pipeline stage holds its layers
+        apart = trainer.plan.modules and trainer.plan.modules["mode"] == "disaggregated"
+        state = ckpt.load_checkpoint(
+            path, trainer.whole, trainer.opt, mesh, verify=not verified, strict=not apart
+        )
     if getattr(trainer, "sparsity", None) is not None:
         trainer.sparsity.load_state_dict((state["extra"] or {}).get("sparsity"))
     if getattr(trainer, "ema", None) is not None:

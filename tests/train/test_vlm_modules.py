@@ -137,6 +137,26 @@ def test_modules_checkpoint_resumes_in_one_process(tmp_path, ws, extra):
         assert abs(a - b) <= tol * max(abs(b), 0.05), f"resumed {got} vs uninterrupted {want}"
 
 
+def job_resume_in_layout(ctx, run_dir: str, extra: list):
+    """Resume a one-process checkpoint at step 2 under [modules], run step 2 (None off the decoder)."""
+    trainer = _build(ctx, run_dir, extra + [("checkpoint.resume", "latest")], steps=STEPS + 1)
+    assert trainer.start_step == 2
+    row = trainer.train_step(2)
+    return None if row is None else [row["loss"], row["grad_norm"]]
+
+
+def test_one_process_checkpoint_resumes_under_modules(tmp_path):
+    """The other way: one process saves at step 2; the encoder at tp 2 on its own ranks (and the
+    decoder at tp 2) takes its weights and AdamW state from it and continues exactly."""
+    harness.run(1, job_save, str(tmp_path / "run"), [])
+    extra = [("modules.encoder_ranks", "2-3"), ("modules.encoder_tp", "2"), ("parallel.tp", "2")]
+    got = [g for g in harness.run(4, job_resume_in_layout, str(tmp_path / "run"), extra) if g is not None]
+    want = harness.run(1, job_rows3, str(tmp_path / "ref"))[0]
+    assert len(got) == 2
+    for a, b, tol in zip(got[0], want, (2e-5, 2e-4)):
+        assert abs(a - b) <= tol * max(abs(b), 0.05), f"resumed {got[0]} vs uninterrupted {want}"
+
+
 @pytest.mark.parametrize(
     "extra,match",
     [
