@@ -148,7 +148,7 @@ def calibrate(args) -> int:
 def run(args) -> int:
     from meshspeed.comm import ConfigError
     from meshspeed.plan import config
-    from meshspeed.plan.planner import SEARCHED, rank_layouts, settings_args, why_lost
+    from meshspeed.plan.planner import SEARCHED, rank_layouts, settings_args, train_command, why_lost
 
     if args.calibrate:
         return calibrate(args)
@@ -210,5 +210,5 @@ def run(args) -> int:
             f"MFU {p['mfu']:6.1%}  {_size(p['memory_bytes'])}/rank  bubble {p['bubble']:.2f}{lost}"
         )
         print(f"     {settings_args(r['settings'])}")
-    print(f"run the best: meshspeed train ... --nproc {world} {settings_args(best['settings'])}")
+    print(f"run the best: {train_command(args.config, overrides, world, best['settings'])}")
     return 0

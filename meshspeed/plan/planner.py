@@ -18,6 +18,13 @@ does not have is a clock; this file adds one, per optimizer step and per rank:
               parameter all-gather (ZeRO-3: per micro-batch, behind the forward);
     optimizer the AdamW step's bytes (about 30 per parameter it updates) at memory bandwidth.
 
+A model with a separate encoder (family vlm) is also planned with per-module layouts
+([modules], plan/modules.py: its own memory per module and step with the seam's transfers):
+colocated, the encoder at dp = world (and at its own tp where heads allow) beside the decoder at
+tp > 1; disaggregated, the encoder on the last k ranks for a few k, the decoder's parallel.*
+over the rest. A candidate `meshspeed train` would refuse is rejected by the run plan's own
+refusals (modules.check_trainable, called here), so the planner follows what the trainer runs.
+
 The model is coarse on purpose — its job is the order of layouts, not the last percent — and is
 validated against measured steps by benchmarks/planner.py.
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import shlex
 
 from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.comm.cost_model import predict
@@ -56,6 +64,9 @@ SEARCHED = (
     "parallel.vpp",
     "train.micro_batch_size",
     "memory.recompute",
+    "modules.encoder_ranks",
+    "modules.encoder_dp",
+    "modules.encoder_tp",
 )
 
 # Memory ladder: each structure is tried with the cheapest memory settings first; the first that
@@ -81,7 +92,10 @@ def layout_space(cfg, world: int, machine: Machine, fixed: dict | None = None) -
     t = cfg.train
     tps = [d for d in _divisors(world) if d <= max(machine.gpus_per_node, 1) and model.n_heads % d == 0]
     groups = []
-    for tp, pp, cp in itertools.product(tps, _divisors(world), (1, 2, 4)):
+    reset = model.family == "vlm" and per_module.active(cfg)
+    pinned = {k: v for k, v in fixed.items() if k.startswith("modules.")}
+    one_mesh = {**ONE_MESH, **pinned} == ONE_MESH  # pinned [modules] settings: per-module only
+    for tp, pp, cp in itertools.product(tps, _divisors(world) if one_mesh else (), (1, 2, 4)):
         if world % (tp * pp * cp) or pp > model.n_layers or (cp > 1 and t.seq_len % (2 * cp)):
             continue
         dp = world // (tp * pp * cp)
@@ -104,8 +118,60 @@ def layout_space(cfg, world: int, machine: Machine, fixed: dict | None = None) -
                     "train.micro_batch_size": mbs,
                     "memory.recompute": rc,
                 }
+                if reset:  # the config's [modules] would turn this into a per-module layout
+                    s.update(ONE_MESH)
                 s.update(fixed)
                 if s not in group and not any(s in g for g in groups):
+                    group.append(s)
+            if group:
+                groups.append(group)
+    if model.family == "vlm":
+        groups += module_groups(cfg, model, world, machine, fixed, groups)
+    return groups
+
+
+ONE_MESH = {"modules.encoder_ranks": "", "modules.encoder_dp": 0, "modules.encoder_tp": 1}
+
+
+def _encoder_splits(n: int, model) -> list[tuple[int, int]]:
+    """(encoder dp, encoder tp) over n ranks, tp dividing the ViT's heads."""
+    return [(n // t, t) for t in _divisors(n) if model.vision_heads % t == 0]
+
+
+def module_groups(cfg, model, world: int, machine: Machine, fixed: dict, seen: list) -> list[list[dict]]:
+    """The per-module candidates of a vlm, one group per structure in LADDER order (pp = cp = 1:
+    the seam feeds the decoder's first stage). Colocated: the encoder over every rank at its own
+    dp x tp beside the decoder at tp x dp, except encoder dp = decoder dp at tp 1 (the one-mesh
+    layout again). Disaggregated: the encoder on the last k ranks (k = 1, 2, world/4, world/2;
+    never rank 0, which logs the loss), the decoder's parallel.* over the first world - k."""
+    t, gpn = cfg.train, max(machine.gpus_per_node, 1)
+    structures = []  # (encoder ranks, encoder dp, encoder tp, decoder ranks)
+    for enc_dp, enc_tp in _encoder_splits(world, model):
+        structures.append(("", enc_dp, enc_tp, world))
+    for k in sorted({1, 2, world // 4, world // 2}):
+        if 1 <= k < world:
+            ranks = str(world - 1) if k == 1 else f"{world - k}-{world - 1}"
+            structures += [(ranks, dp, tp, world - k) for dp, tp in _encoder_splits(k, model)]
+    groups = []
+    for (ranks, enc_dp, enc_tp, dec_world), mbs in itertools.product(structures, (1, 2, 4)):
+        for tp in [d for d in _divisors(dec_world) if d <= gpn and model.n_heads % d == 0]:
+            dp = dec_world // tp
+            if not ranks and tp == 1 and enc_tp == 1:
+                continue  # the one-mesh data-parallel layout, planned above
+            if t.global_batch_size % dp or (t.global_batch_size // dp) % mbs or enc_dp > mbs * dp:
+                continue
+            mods = {"modules.encoder_ranks": ranks} if ranks or cfg.modules.encoder_ranks else {}
+            mods |= {"modules.encoder_dp": enc_dp, "modules.encoder_tp": enc_tp}
+            group = []
+            for rc, zero in LADDER:
+                s = {
+                    "parallel.tp": tp, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
+                    "parallel.zero": zero, "parallel.sequence_parallel": tp > 1,
+                    "parallel.pp_schedule": "1f1b", "parallel.vpp": 1,
+                    "train.micro_batch_size": mbs, "memory.recompute": rc, **mods,
+                }  # fmt: skip
+                s.update(fixed)
+                if s not in group and not any(s in g for g in seen + groups):
                     group.append(s)
             if group:
                 groups.append(group)
@@ -265,6 +331,10 @@ def evaluate(cfg, world: int, machine: Machine, settings: dict, headroom: float 
     except ConfigError as err:
         return {"settings": settings, "rejected": str(err)}
     if plan.modules:  # [modules]: per-module memory and step (plan/modules.py), on this machine
+        try:  # what `meshspeed train` refuses of a per-module layout, as it refuses it today
+            per_module.check_trainable(c, plan.modules)
+        except ConfigError as err:
+            return {"settings": settings, "rejected": str(err)}
         return per_module.evaluate(c, plan, machine, settings, headroom)
     counts = rank_counts(c, plan)
     memory = plan_memory(c, plan, counts)
@@ -318,8 +388,19 @@ def why_lost(r: dict, best: dict) -> str:
 
 
 def settings_args(settings: dict) -> str:
-    """The `meshspeed train` flags of a layout."""
-    return " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+    """The `meshspeed train` flags of a layout (quoted for a shell: an empty rank list is '')."""
+    return " ".join(
+        f"--{k} {str(v).lower() if isinstance(v, bool) else shlex.quote(str(v))}" for k, v in settings.items()
+    )
+
+
+def train_command(config_file: str | None, overrides: list, world: int, settings: dict) -> str:
+    """The whole `meshspeed train` command line of a planned layout: the config and the settings
+    the planner was given (less the ones it chose), the world, the layout's own."""
+    given = [(k, v) for k, v in overrides if k != "nproc" and k not in settings]
+    parts = ["meshspeed train"] + ([f"--config {shlex.quote(config_file)}"] if config_file else [])
+    parts += [f"--nproc {world}"] + [settings_args({k: v}) for k, v in given]
+    return " ".join(parts + [settings_args(settings)])
 
 
 __all__ = [
@@ -333,6 +414,7 @@ __all__ = [
     "rank_counts",
     "rank_layouts",
     "settings_args",
+    "train_command",
     "why_lost",
 ]
 
