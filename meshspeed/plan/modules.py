@@ -8,8 +8,9 @@ module's ranks and a predicted step time that includes the seam (meshspeed/paral
                     (parallel.* over them); the features go point to point, gradients back
 
 The model of the step (a prediction, not a measurement; benchmarks/vlm.py puts it beside the
-measured time): per micro-batch the encoder's and the decoder's compute at the machine's
-achievable matmul rate (models/flops.py), the seam's transfers by the α-β cost of one message
+trainer's measured step): per micro-batch the encoder's and the decoder's compute at the
+machine's achievable matmul and attention rates, charged for small tiles as the one-mesh planner
+charges them (models/flops.py, planner.predict_step), the seam's transfers by the α-β cost of one message
 per producer-consumer pair, the dp gradient reductions of each module over its own group.
 Colocated ranks run the two one after the other; disaggregated ones overlap micro-batch k+1's
 encoder with micro-batch k's decoder, so the step is m x the slower side, plus one pass of the
@@ -25,7 +26,7 @@ from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.comm.module_mesh import parse_ranks
 from meshspeed.comm.recipe import build_on_meta
 from meshspeed.memory.estimate import model_activation_bytes
-from meshspeed.models.flops import flops_per_token
+from meshspeed.models.flops import flops_per_token, matmul_params
 from meshspeed.models.vlm_config import image_tokens, vision_flops_per_image
 from meshspeed.parallel.tensor import check_tp, parallelize
 from meshspeed.plan.estimate import BYTES
@@ -154,22 +155,44 @@ def _p2p(machine: Machine, nbytes: float) -> float:
     return machine.alpha_us * 1e-6 + nbytes / (machine.intra_gbs * 1e9)
 
 
+def _occupancy(machine: Machine, rows: float, width: float) -> float:
+    """The fraction of its large-size rate a [rows, width] matmul reaches (planner.predict_step's
+    tile term): tiny models run far below the rate a 1024-wide matmul measures."""
+    return rows / (rows + machine.tile) * width / (width + machine.tile)
+
+
+def _compute_s(machine: Machine, rate: float, mm: float, attn: float, occ: float) -> float:
+    """Seconds of `mm` matmul FLOPs and `attn` attention-core FLOPs at this machine's achievable
+    rates (the one-mesh planner's split: attention reaches less of the peak than a matmul)."""
+    return (mm / machine.matmul_eff + attn / machine.attn_eff) / (rate * occ)
+
+
 def predict(cfg, config, layout: dict, machine: Machine, microbatches: int) -> dict:
-    """Predicted seconds per step of the per-module layout and its parts (see the module doc)."""
+    """Predicted seconds per step of the per-module layout and its parts (see the module doc).
+    Every blocking exchange between two bursts of compute (a seam message, a tp all-reduce, a
+    gradient reduction, the joint gradient norm) also pays the wait `plan --calibrate` measured
+    for a group of its size on this machine (Machine.sync_s; none on devices)."""
     e, d = layout["encoder"], layout["decoder"]["dims"]
     t, elem = cfg.train, BYTES[cfg.train.dtype]
     world = len(set(e["ranks"]) | set(layout["decoder"]["ranks"]))
-    rate = machine.rank_peak(world) * machine.matmul_eff
+    rate = machine.rank_peak(world)
     imgs = -(-layout["images"] // e["dp"])
-    t_enc = imgs * vision_flops_per_image(config) / e["tp"] / rate
+    n_patch = (config.image_size // config.patch_size) ** 2
+    vit_attn = 12 * config.vision_layers * config.vision_dim * n_patch * n_patch
+    vit_mm = vision_flops_per_image(config) - vit_attn
+    occ = _occupancy(machine, imgs * n_patch, config.vision_dim / e["tp"])
+    t_enc = _compute_s(machine, rate, imgs * vit_mm / e["tp"], imgs * vit_attn / e["tp"], occ)
+    tokens = t.micro_batch_size * t.seq_len
     text = flops_per_token(config, t.seq_len) - vision_flops_per_image(config) // t.seq_len
-    t_dec = t.micro_batch_size * t.seq_len * text / d["tp"] / rate
+    dec_mm = 6 * matmul_params(config)
+    occ = _occupancy(machine, tokens, config.dim / d["tp"])
+    t_dec = _compute_s(machine, rate, tokens * dec_mm / d["tp"], tokens * (text - dec_mm) / d["tp"], occ)
     # The seam: the fullest decoder rank receives its micro-batch's features from the encoder
     # ranks holding them (messages in flight together: the largest one's time), the same bytes
-    # go back as gradients (spread over the tp peers).
+    # go back as gradients (spread over the tp peers); each direction a blocking wait.
     feat = t.micro_batch_size * image_tokens(config) * config.dim * elem
     senders = max(1, -(-e["dp"] // d["dp"]))
-    seam = _p2p(machine, feat / senders) + _p2p(machine, feat / senders / d["tp"])
+    seam = _p2p(machine, feat / senders) + _p2p(machine, feat / senders / d["tp"]) + 2 * machine.sync_s(2)
     m = microbatches
     if layout["mode"] == "colocated":
         compute = m * (t_enc + t_dec)
@@ -182,21 +205,24 @@ def predict(cfg, config, layout: dict, machine: Machine, microbatches: int) -> d
         if dp < 2:
             return 0.0
         nbytes = params * 4
-        return 2 * (dp - 1) * (machine.alpha_us * 1e-6 + nbytes / dp / (machine.intra_gbs * 1e9))
+        ring = 2 * (dp - 1) * (machine.alpha_us * 1e-6 + nbytes / dp / (machine.intra_gbs * 1e9))
+        return ring + machine.sync_s(dp)
 
     dp_s = allreduce(layout.get("enc_params", 0), e["dp"]) + allreduce(layout.get("dec_params", 0), d["dp"])
+    dp_s += machine.sync_s(world)  # the one gradient norm over both modules' ranks
 
-    def tp_comm(tp: int, layers: int, rows: int, width: int) -> float:
+    def tp_comm(tp: int, layers: int, rows: int, width: int, extra: int = 0) -> float:
         # Megatron's 2 all-reduces forward and 2 backward per block of [rows, width] activations,
-        # each blocking between two computes (+ the wait for peers on shared cores: sync_s)
+        # each blocking between two computes (+ the wait for peers on shared cores: sync_s);
+        # `extra`: small latency-bound ones (the vocab-parallel loss's two)
         if tp < 2:
             return 0.0
         one = 2 * (tp - 1) / tp * rows * width * elem / (machine.intra_gbs * 1e9)
-        return 4 * layers * (2 * machine.alpha_us * 1e-6 + one + machine.sync_s(tp))
+        wait = 2 * machine.alpha_us * 1e-6 + machine.sync_s(tp)
+        return 4 * layers * (wait + one) + extra * wait
 
-    n_patch = (config.image_size // config.patch_size) ** 2
     tp_s = m * tp_comm(e["tp"], config.vision_layers, imgs * n_patch, config.vision_dim)
-    tp_s += m * tp_comm(d["tp"], config.n_layers, t.micro_batch_size * t.seq_len, config.dim)
+    tp_s += m * tp_comm(d["tp"], config.n_layers, tokens, config.dim, extra=2)
     total = compute + seam_exposed + dp_s + tp_s
     return {
         "step_s": total,

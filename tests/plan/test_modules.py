@@ -92,9 +92,38 @@ def test_the_planner_predicts_a_per_module_layout_on_its_machine():
     from meshspeed.plan.machine import get_machine
     from meshspeed.plan.planner import evaluate
 
-    cfg = config.load(None, VLM + [("modules.encoder.ranks", "0-1")])
+    cfg = config.load(None, VLM + [("modules.encoder.ranks", "2-3")])  # not rank 0: train refuses it
     r = evaluate(cfg, 4, get_machine("h100"), {"parallel.tp": 2, "parallel.dp": 0})
     p = r["predicted"]
     assert p["modules"] == "disaggregated" and p["comm_s"]["seam"] > 0 and p["step_s"] > p["optimizer_s"] > 0
     tiny = evaluate(cfg, 4, get_machine("h100", memory_gib=1e-4), {"parallel.tp": 2, "parallel.dp": 0})
     assert tiny["rejected"].startswith("memory")
+
+
+def test_the_step_charges_small_tiles_attention_and_the_waits_it_measured():
+    """predict on a machine with a measured wait per blocking exchange (plan --calibrate's
+    sync_us): every seam message, tp all-reduce, gradient reduction and the joint norm pays it;
+    a smaller tile (bigger matmuls reach their rate) is faster; attention is charged its own rate."""
+    import dataclasses
+
+    from meshspeed.plan.machine import get_machine
+    from meshspeed.plan.modules import predict
+
+    plan = _plan(("parallel.tp", "2"), ("modules.encoder.dp", "4"))
+    cfg, config_ = (
+        config.load(None, VLM + [("parallel.tp", "2"), ("modules.encoder.dp", "4")]),
+        plan.model_config(),
+    )
+    cpu = get_machine("cpu")
+    base = predict(cfg, config_, plan.modules, cpu, plan.microbatches)
+    waits = predict(
+        cfg, config_, plan.modules, dataclasses.replace(cpu, sync_us={"2": 1000.0}), plan.microbatches
+    )
+    m = plan.microbatches
+    assert waits["seam_s"] - base["seam_s"] == pytest.approx(m * 2 * 1e-3)  # both directions each micro-batch
+    assert waits["tp_s"] - base["tp_s"] == pytest.approx(m * (4 * 2 + 2) * 1e-3)  # 2 layers + the loss
+    assert waits["dp_s"] - base["dp_s"] == pytest.approx(3 * 1e-3)  # encoder dp 4, decoder dp 2, norm
+    big = predict(cfg, config_, plan.modules, dataclasses.replace(cpu, tile=1e-6), plan.microbatches)
+    assert big["encoder_s"] < base["encoder_s"] and big["decoder_s"] < base["decoder_s"]
+    fast_attn = predict(cfg, config_, plan.modules, dataclasses.replace(cpu, attn_eff=cpu.matmul_eff), m)
+    assert fast_attn["encoder_s"] < base["encoder_s"] and fast_attn["decoder_s"] < base["decoder_s"]
