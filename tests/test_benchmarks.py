@@ -215,15 +215,15 @@ def test_memory_benchmark_runs_every_feature():
 
 @pytest.mark.slow
 def test_vlm_benchmark_runs(tmp_path):
-    """benchmarks/vlm.py end to end at toy sizes on 2 ranks: every layout computes the one-device
-    loss (the parity tests' step), has a counted peak and the run plan's prediction beside it."""
+    """benchmarks/vlm.py end to end at toy sizes on 2 ranks: every layout trains in the real
+    trainer, has a measured peak and the planner's prediction beside it."""
     rows_file = tmp_path / "rows.json"
-    args = ["--nproc", 2, "--batch", 4, "--text", 8, "--steps", 1, "--warmup", 0, "--json", str(rows_file)]
+    args = ["--nproc", 2, "--batch", 4, "--micro", 2, "--steps", 1, "--warmup", 0, "--json", str(rows_file)]
     out = _bench("vlm.py", args, tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "meas/pred" in out.stdout and "LOSS MISMATCH" not in out.stdout, out.stdout
+    assert "meas/pred" in out.stdout, out.stdout
     rows = {r["layout"]: r for r in json.load(open(rows_file))["rows"]}
-    assert set(rows) == {"same degrees", "per-module", "disagg 1+1"}, rows
+    assert set(rows) == {"one mesh", "colocated", "disagg 1+1"}, rows
     for r in rows.values():
-        assert r["loss_ok"] and r["step_ms"] > 0 and r["pred_ms"] > 0, r
+        assert r["step_ms"] > 0 and r["pred_ms"] > 0, r
         assert r["peak_bytes"] > 0 and r["pred_bytes"] > 0, r
