@@ -120,8 +120,18 @@ def solo(run_dir, png):
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2), dict(pp=2)], ids=["tp2", "dp2", "pp2"])
 def test_layouts_equal_one_process(run_dir, png, solo, layout, sampling):
+    check_layout(run_dir, png, solo, layout, sampling)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=3), dict(tp=2, pp=2)], ids=["dp3", "tp2xpp2"])
+def test_wider_layouts_equal_one_process(run_dir, png, solo, layout):
+    check_layout(run_dir, png, solo, layout, "sampled")
+
+
+def check_layout(run_dir, png, solo, layout: dict, sampling: str) -> None:
     kw = SAMPLED if sampling == "sampled" else {}
-    got = harness.run(2, job_answer, make_job(run_dir, png[0], nproc=2, **layout, **kw))[0]
+    n = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
+    got = harness.run(n, job_answer, make_job(run_dir, png[0], nproc=n, **layout, **kw))[0]
     assert got == solo[sampling]
     assert [r["prompt"] for r in got] == ["the", "a longer question", ""]
     assert all(1 <= len(r["token_ids"]) <= 6 for r in got)
@@ -153,8 +163,8 @@ def test_chat_prompt_is_the_training_conversations(run_dir, png, question):
     assert job["eos_id"] == 0  # the byte template's end of turn
 
 
-def job_eager_to_end(ctx, job: dict) -> list[dict] | None:
-    """answer() with the model's output pushed towards token 0 (the end of turn) at every step."""
+def job_pushed(ctx, job: dict, token: int) -> list[dict] | None:
+    """answer() with the model's output pushed towards `token` at every step."""
     from meshspeed.infer import vlm_generate
 
     real_load = vlm_generate.load
@@ -163,7 +173,7 @@ def job_eager_to_end(ctx, job: dict) -> list[dict] | None:
         model, stages, config = real_load(job, mesh)
 
         def push(_mod, _inp, out):
-            out[..., 0] += 1e4
+            out[..., token] += 1e4
             return out
 
         model.output.register_forward_hook(push)
@@ -177,8 +187,16 @@ def job_eager_to_end(ctx, job: dict) -> list[dict] | None:
 
 
 def test_chat_stops_at_the_end_of_turn(run_dir, png):
-    rows = harness.run(1, job_eager_to_end, make_job(run_dir, png[0], chat=True))[0]
+    rows = harness.run(1, job_pushed, make_job(run_dir, png[0], chat=True), 0)[0]
     assert [r["token_ids"] for r in rows] == [[0]] * 3 and all(r["text"] == "" for r in rows)
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_a_placeholder_is_never_generated(run_dir, png, sampling):
+    """The image token id most likely everywhere: still never chosen (it would be read as part
+    of an image), as the uncached path never chooses it."""
+    rows = harness.run(1, job_pushed, make_job(run_dir, png[0], **sampling), 255)[0]
+    assert all(r["token_ids"] and 255 not in r["token_ids"] for r in rows)
 
 
 def documented_generate_commands() -> list:
