@@ -58,8 +58,18 @@ def _prompt_texts(opts: dict) -> list[str]:
     return texts or [""]  # no prompt: a caption (--chat: a user turn holding the image alone)
 
 
-def resolve(opts: dict) -> dict:
-    """Checked, plain-data job from generate's options (commands/generate.py) with --image."""
+def _device(opts: dict, gpus: int | None):
+    """--run.device for the --nproc local ranks, as the text path chooses it (comm.context)."""
+    from meshspeed.comm.context import choose_device, local_gpus
+
+    gpus = local_gpus() if gpus is None else gpus
+    fix = f"run --nproc {gpus} with a layout of {gpus} ranks"
+    return choose_device(opts.get("device") or "auto", opts["nproc"], gpus, key="--run.device", fix=fix)
+
+
+def resolve(opts: dict, *, local_gpus: int | None = None) -> dict:
+    """Checked, plain-data job from generate's options (commands/generate.py) with --image.
+    `local_gpus`: the GPUs to place the ranks on (default: counted here)."""
     from meshspeed.data.chat_template import END_OF_TURN_ID
     from meshspeed.data.corpus import DataError
     from meshspeed.interop.model_source import checkpoint_model_config
@@ -111,8 +121,9 @@ def resolve(opts: dict) -> dict:
             f"{config.max_seq_len - longest + opts['max_new_tokens']}"
         )
     image = load_image(opts["image"], config.image_size)
+    device = _device(opts, local_gpus)
     return {**opts, "pp": pp, "texts": texts, "ids": ids, "image_at": starts[0], "eos_id": END_OF_TURN_ID,
-            "pixels": image.tolist(), "device": "cpu"}  # fmt: skip
+            "pixels": image.tolist(), "device": device.device, "device_notice": device.notice}  # fmt: skip
 
 
 def load(job: dict, mesh):
@@ -179,8 +190,8 @@ def worker(job: dict) -> None:
                 with open(job["json"], "w") as f:
                     json.dump({"image": job["image"], "outputs": rows}, f, indent=1)
             print(
-                f"meshspeed generate: {stats.line()} (rank 0 of {ctx.world_size}; the image's ViT "
-                "runs once, before the prefill)",
+                f"meshspeed generate: {stats.line()} (rank 0 of {ctx.world_size} on {ctx.device.type}; "
+                "the image's ViT runs once, before the prefill)",
                 flush=True,
             )
     finally:

@@ -69,7 +69,8 @@ def make_job(run_dir, image, **kw):
     opts = dict(checkpoint=run_dir, image=image, prompt=["the", "a longer question", ""], prompts=None,
                 chat=False, temperature=0.0, top_k=0, top_p=1.0, seed=0, pp=1, tp=1, dp=1, nproc=1,
                 max_new_tokens=6)  # fmt: skip
-    return resolve({**opts, **kw})
+    gpus = kw.pop("local_gpus", 0)  # the choice made for a CPU machine unless a test says otherwise
+    return resolve({**opts, **kw}, local_gpus=gpus)
 
 
 def test_image_reaches_the_model_as_the_records_pixels(run_dir, png):
@@ -197,6 +198,29 @@ def test_a_placeholder_is_never_generated(run_dir, png, sampling):
     of an image), as the uncached path never chooses it."""
     rows = harness.run(1, job_pushed, make_job(run_dir, png[0], **sampling), 255)[0]
     assert all(r["token_ids"] and 255 not in r["token_ids"] for r in rows)
+
+
+def test_device_is_chosen_as_for_text(run_dir, png):
+    from meshspeed.comm import ConfigError
+
+    assert make_job(run_dir, png[0], device="auto", local_gpus=1)["device"] == "cuda"
+    assert make_job(run_dir, png[0], device="auto", local_gpus=0)["device"] == "cpu"
+    with pytest.raises(ConfigError, match="--run.device=cuda needs a GPU per local rank"):
+        make_job(run_dir, png[0], device="cuda", local_gpus=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_gives_the_cpu_ids(run_dir, png, tmp_path):
+    """The cache, masks, positions table and image features on the GPU: the CPU's greedy ids."""
+    import json
+
+    def ids(device):
+        out = tmp_path / f"{device}.json"
+        argv = ["generate", "--checkpoint", run_dir, "--image", png[0], "--prompt", "the", "--prompt", ""]
+        assert main([*argv, "--max-new-tokens", "6", "--run.device", device, "--json", str(out)]) == 0
+        return [r["token_ids"] for r in json.loads(out.read_text())["outputs"]]
+
+    assert ids("cuda") == ids("cpu")
 
 
 def documented_generate_commands() -> list:
