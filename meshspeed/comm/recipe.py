@@ -112,6 +112,8 @@ class EncoderUnit:
     encode      (model, inputs [n, ...]) -> rows [n, *row_shape] for the decoder
     decode      (model, item, rows) -> the decoder's output on the micro-batch `item`, the
                 encoder's rows given instead of computed (the model's own forward)
+    embed       (model, tokens, rows) -> the decoder's embedding unit on the rows (a pipeline's
+                first stage runs it in place of PipelineUnits.embed)
     row_shape   one record's rows (a vlm: [image tokens, dim])
     """
 
@@ -120,6 +122,7 @@ class EncoderUnit:
     input: str
     encode: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     decode: Callable[[nn.Module, dict, torch.Tensor], torch.Tensor]
+    embed: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     row_shape: tuple[int, ...]
 
     def owns(self, fqn: str) -> bool:

@@ -397,6 +397,7 @@ def recipe(config: ModelConfig) -> Recipe:
             input="images",
             encode=lambda model, images: model.embed.image_features(images),
             decode=lambda model, item, rows: model(item["tokens"], None, item["positions"], rows),
+            embed=lambda model, tokens, rows: model.embed(tokens, None, rows),
             row_shape=(image_tokens(config), config.dim),
         ),
     )

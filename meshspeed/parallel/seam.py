@@ -21,8 +21,11 @@ transfers each way (comm.p2p; a rank's rows for itself are copied, not sent):
               peers each need the whole gradient of their replicated output), and the producer
               sums what arrives per row.
 
-Only the producer's last pipeline stage produces and the consumer's first consumes. (pp and cp
-are routed as described but refused by Seam until a parity test covers them.)
+Only the producer's last pipeline stage produces and the consumer's first consumes: a decoder
+pipeline is covered by the trainer's parity tests (tests/train/test_vlm_modules.py), where every
+micro-batch's transfers are posted when the step begins (train/modules_run.EncoderSide). A
+producer pipeline and cp on either side are routed as described but refused until a parity test
+covers them.
 
 Overlap: `start` posts every transfer of the forward at once (sends and receives, one batch:
 NCCL needs both directions in one group call) and returns; the consumer's own work placed
@@ -75,13 +78,13 @@ class Seam:
     default one made for the seam, so its transfers never interleave with another layer's."""
 
     def __init__(self, producer: ModuleMesh, consumer: ModuleMesh, group: Group | None = None):
-        for m in (producer, consumer):
-            # The routing below takes a producer's last stage and a consumer's first, and sums cp
-            # peers' gradients (Partial), but no parity test covers pp or cp yet: refused until one does.
-            if m.dims.cp > 1 or m.dims.pp > 1:
+        for m, pp in ((producer, producer.dims.pp), (consumer, 1)):
+            # The routing takes a producer's last stage and a consumer's first, and sums cp peers'
+            # gradients (Partial); no parity test covers a producer pipeline or cp yet: refused.
+            if m.dims.cp > 1 or pp > 1:
                 raise ConfigError(
                     f"modules.{m.name}: pp={m.dims.pp}, cp={m.dims.cp} at the seam is not built yet; "
-                    "use pp = cp = 1"
+                    f"use cp = 1{' and pp = 1' if pp > 1 else ''}"
                 )
         self.producer, self.consumer = producer, consumer
         ctx = producer.ctx

@@ -83,10 +83,17 @@ def resolve(cfg, config, world: int, dec_dims: ParallelDims) -> dict:
     else:
         enc = dec = tuple(range(world))
         mode = "colocated"
-    if dec_dims.pp > 1 or dec_dims.cp > 1:
+    if dec_dims.cp > 1:
         raise ConfigError(
-            f"[modules] with parallel.pp={dec_dims.pp}, cp={dec_dims.cp}: the seam feeds the decoder's "
-            "first stage; per-module layouts are planned for pp = cp = 1 so far"
+            f"[modules] with parallel.cp={dec_dims.cp}: the seam delivers whole sequences; "
+            "per-module layouts run with cp = 1 (dp, tp and pp work)"
+        )
+    if dec_dims.pp > 1 and cfg.parallel.pp_schedule in ("zero-bubble", "dualpipev"):
+        # their first stage's embedding backward runs in W, out of micro-batch order, and the
+        # seam returns each micro-batch's gradients in order
+        raise ConfigError(
+            f"parallel.pp_schedule={cfg.parallel.pp_schedule} with [modules]: use 1f1b, gpipe or "
+            "interleaved (the seam returns gradients in micro-batch order)"
         )
     dp = m.encoder_dp or len(enc) // m.encoder_tp
     if dp * m.encoder_tp != len(enc):
@@ -143,7 +150,9 @@ def memory(cfg, config, recipe, layout: dict) -> dict:
         config, tokens=t.micro_batch_size * t.seq_len, tp=d["tp"], elem=elem, mode=cfg.memory.recompute
     )
     enc = _memory(cfg, _params(recipe, e["tp"], True), enc_acts)
-    dec = _memory(cfg, _params(recipe, d["tp"], False), dec_acts)
+    # a decoder pipeline: a stage holds about 1/pp of the decoder (the run plan's per-rank table
+    # above has each stage's exact count); 1F1B keeps pp micro-batches of a 1/pp stage's activations
+    dec = _memory(cfg, -(-_params(recipe, d["tp"], False) // d.get("pp", 1)), dec_acts)
     if layout["mode"] == "colocated":  # one rank holds both
         both = {k: enc[k] + dec[k] for k in enc}
         return {"encoder": enc, "decoder": dec, "rank": both}
@@ -193,12 +202,15 @@ def predict(cfg, config, layout: dict, machine: Machine, microbatches: int) -> d
     feat = t.micro_batch_size * image_tokens(config) * config.dim * elem
     senders = max(1, -(-e["dp"] // d["dp"]))
     seam = _p2p(machine, feat / senders) + _p2p(machine, feat / senders / d["tp"]) + 2 * machine.sync_s(2)
-    m = microbatches
+    m, pp = microbatches, d.get("pp", 1)
+    # a decoder pipeline: each stage does 1/pp of a micro-batch's decoder work, and 1F1B's
+    # fill and drain add pp - 1 of those slots to the m
+    t_stage, slots = t_dec / pp, m + pp - 1
     if layout["mode"] == "colocated":
-        compute = m * (t_enc + t_dec)
+        compute = m * t_enc + slots * t_stage
         seam_exposed = m * seam
     else:
-        compute = m * max(t_enc, t_dec) + min(t_enc, t_dec)
+        compute = max(m * t_enc, slots * t_stage) + min(t_enc, t_stage)
         seam_exposed = seam  # behind the other side's work after the first micro-batch
 
     def allreduce(params: int, dp: int) -> float:  # ring: 2 (p-1)/p of the bytes each way
@@ -337,9 +349,10 @@ def describe(layout: dict) -> list[str]:
         return []
     e, dec, mem, p = layout["encoder"], layout["decoder"], layout["memory"], layout["predicted"]
     d = dec["dims"]
+    pp = f"pp {d['pp']} × " if d["pp"] > 1 else ""
     lines = [
         f"  modules      {layout['mode']}: encoder ranks {_ranks(e['ranks'])} dp {e['dp']} × tp {e['tp']}; "
-        f"decoder ranks {_ranks(dec['ranks'])} dp {d['dp']} × tp {d['tp']}; seam: parallel/seam.py",
+        f"decoder ranks {_ranks(dec['ranks'])} {pp}dp {d['dp']} × tp {d['tp']}; seam: parallel/seam.py",
     ]
     if layout["mode"] == "disaggregated":
         lines.append("    (the per-rank table above is the decoder's, its ranks counted from 0)")

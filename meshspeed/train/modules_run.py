@@ -24,9 +24,18 @@ by encoder dp / decoder dp on the way back (seam.producer_grad_divisor's convent
 
 Checkpoint tensors are placed on their own module's mesh (Placement), so the encoder may run
 at its own tp. The encoder runs ZeRO-2 when parallel.zero is 3 (its forward does not pass the
-model's root, where ZeRO-3 gathers the rest; it is the small module). Not built (refused by
-the run plan in one line): pp or cp with [modules]; exports at the end of a disaggregated run
-or with the encoder at tp > 1 (convert the checkpoint afterwards); sparsity.
+model's root, where ZeRO-3 gathers the rest; it is the small module).
+
+A decoder pipeline (parallel.pp): its first stage's ranks consume the rows, in micro-batch order,
+inside the schedule (the decoder recipe's embedding takes EncoderSide.next_rows); so no rank
+waits on a schedule it does not run, every rank posts all of a step's transfers when the step
+begins (all_ahead), and a rank whose rows were consumed elsewhere runs their backward after the
+schedule (finish). The seam returns gradients in micro-batch order: schedules whose embedding
+backward runs in a deferred W (zero-bubble, dualpipev) are refused.
+
+Not built (refused by the run plan in one line): cp with [modules]; an encoder pipeline;
+exports at the end of a disaggregated run or with the encoder at tp > 1 (convert the checkpoint
+afterwards); sparsity.
 """
 
 from __future__ import annotations
@@ -72,9 +81,10 @@ def _keep_only(module: nn.Module, owns, path: str = "") -> None:
             setattr(module, name, None)
 
 
-def split_recipe(recipe, side: str):
+def split_recipe(recipe, side: str, source: EncoderSide | None = None):
     """The recipe of one side ("encoder" or "decoder"): its build keeps only that side's modules
-    (same FQNs as the whole model), its tp plan only that side's entries."""
+    (same FQNs as the whole model), its tp plan only that side's entries. The decoder's pipeline
+    embeds the tokens with `source`'s rows (EncoderSide.next_rows) in place of the images."""
     unit = recipe.encoder
     mine = (lambda f: unit.owns(f)) if side == "encoder" else (lambda f: not unit.owns(f))
 
@@ -90,7 +100,11 @@ def split_recipe(recipe, side: str):
 
     plan = tuple((p, s) for p, s in recipe.tp_plan if mine(p))
     tied = tuple(t for t in recipe.tied if mine(t[0]) and mine(t[1]))
-    return dataclasses.replace(recipe, build=build, tp_plan=plan, tied=tied)
+    pipeline = recipe.pipeline
+    if side == "decoder" and source is not None:
+        embed = lambda model, tokens: unit.embed(model, tokens, source.next_rows())  # noqa: E731
+        pipeline = dataclasses.replace(pipeline, inputs=("tokens",), embed=embed)
+    return dataclasses.replace(recipe, build=build, tp_plan=plan, tied=tied, pipeline=pipeline)
 
 
 class Both(nn.Module):
@@ -125,6 +139,13 @@ class _Gathered:
         with contextlib.ExitStack() as stack:
             for z in self.parts:
                 stack.enter_context(z.gathered())
+            yield
+
+    @contextlib.contextmanager
+    def held(self):  # a pipeline step's (parallel/pipeline/forward_only.held)
+        with contextlib.ExitStack() as stack:
+            for z in self.parts:
+                stack.enter_context(z.held())
             yield
 
 
@@ -205,6 +226,11 @@ class EncoderSide:
         self.scale = enc_mesh.dims.dp / dec_mesh.dims.dp  # see the module docstring
         self.model = self.dp = self.opt = None
         self._chunks: list = []
+        # a decoder pipeline: its first stage's ranks consume; every micro-batch's transfers are
+        # posted when the step begins, so no rank waits on a schedule it does not run
+        self.all_ahead = dec_mesh.dims.pp > 1
+        self.consumer = dec_mesh.member and dec_mesh.coords["pp"] == 0
+        self._pending: list = []
         if enc_mesh.member:
             self.model = build_parallel_model(
                 split_recipe(recipe, "encoder"), enc_mesh, seed=cfg.train.seed, device=ctx.device
@@ -234,27 +260,48 @@ class EncoderSide:
 
     def begin(self, loader, step: int, micro: list[dict] | None = None) -> None:
         """Take this rank's share of the images of each micro-batch of `step` (the global
-        micro-batch a: the decoder's dp slices of it, in dp order) and number the micro-batches."""
-        n = loader.micro_batch_size * self.dec_mesh.dims.dp
-        self._n, self._chunks = n, []
+        micro-batch a: the decoder's dp slices of it, in dp order) and number the micro-batches.
+        Under a decoder pipeline, post every micro-batch's transfers now (all_ahead)."""
+        n, rows = loader.micro_batch_size * self.dec_mesh.dims.dp, loader.rows(step)
+        self._n, self._m, self._chunks = n, len(rows) // n, []
         for a, mb in enumerate(micro or []):
             mb["micro"] = a
-        if self.model is None:
-            return
-        rows, j = loader.rows(step), self.mesh.coords["dp"]
-        offs = chunk_bounds(n, self.mesh.dims.dp)
-        for a in range(len(rows) // n):
-            mine = rows[a * n : (a + 1) * n][offs[j] : offs[j + 1]]
-            self._chunks.append(loader.records[self.unit.input][mine])  # the images only
+        if self.model is not None:
+            j, offs = self.mesh.coords["dp"], chunk_bounds(n, self.mesh.dims.dp)
+            for a in range(self._m):
+                mine = rows[a * n : (a + 1) * n][offs[j] : offs[j + 1]]
+                self._chunks.append(loader.records[self.unit.input][mine])  # the images only
+        if self.all_ahead:
+            self._pending, self._next = [self._start(a) for a in range(self._m)], 0
 
-    def rows(self, a: int) -> torch.Tensor:
-        """Micro-batch a: this rank's encoder rows sent, its decoder rows received (empty off
-        the decoder's ranks); differentiable both ways."""
+    def _start(self, a: int) -> S.Pending:
         x = S.placeholder(self.unit.row_shape, self.dtype, self.ctx.device)
         if self.model is not None and len(self._chunks[a]):
             x = self.unit.encode(self.model, self._chunks[a].to(self.ctx.device))
             x = _ScaleGrad.apply(x, self.scale)
-        return S.wait(S.start(self.seam, x, self._n))
+        return S.start(self.seam, x, self._n)
+
+    def rows(self, a: int) -> torch.Tensor:
+        """Micro-batch a: this rank's encoder rows sent, its decoder rows received (empty off
+        the decoder's ranks); differentiable both ways."""
+        return S.wait(self._start(a))
+
+    def next_rows(self) -> torch.Tensor:
+        """all_ahead: the next micro-batch's rows (a pipeline's first stage runs its forwards in
+        micro-batch order, training and validation alike)."""
+        self._next += 1
+        return S.wait(self._pending[self._next - 1])
+
+    def finish(self) -> None:
+        """all_ahead, after the decoder's schedule: a rank that encoded rows the decoder's first
+        stage consumed elsewhere runs their backward, in micro-batch order (its gradients reduced
+        over its dp with the last one)."""
+        pending, self._pending = self._pending, []
+        if self.consumer or self.model is None:
+            return  # consumed (its backward ran in the schedule's), or nothing encoded here
+        for a, p in enumerate(pending):
+            with contextlib.nullcontext() if a == len(pending) - 1 else self.dp.no_sync():
+                S.drive(S.wait(p))
 
     def forward(self, item: dict, batch: dict):
         """The trainer's forward of a micro-batch: the decoder on the seam's rows."""
@@ -346,14 +393,18 @@ class EncoderWorker:
 
         t = self.cfg.train
         self.opt.set_lr(lr_at(step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio))
-        outs = self._produce(self.loader, step)
-        y = next(outs)
-        m = self.loader.accum_steps
-        for a in range(m):
-            nxt = next(outs) if a + 1 < m else None  # one ahead: encoded while the decoder runs a
-            with contextlib.nullcontext() if a == m - 1 else self.dp.no_sync():
-                S.drive(y)  # waits for micro-batch a's gradients, backpropagates them
-            y = nxt
+        if self.side.all_ahead:  # a decoder pipeline: every micro-batch encoded and sent first
+            self.side.begin(self.loader, step)
+            self.side.finish()
+        else:
+            outs = self._produce(self.loader, step)
+            y = next(outs)
+            m = self.loader.accum_steps
+            for a in range(m):
+                nxt = next(outs) if a + 1 < m else None  # one ahead: encoded while the decoder runs a
+                with contextlib.nullcontext() if a == m - 1 else self.dp.no_sync():
+                    S.drive(y)  # waits for micro-batch a's gradients, backpropagates them
+                y = nxt
         self.dp.finish_grad_sync()
         norm = grad_norm(self.dp, self.enc_mesh)  # with the decoder's: one norm, every rank
         coef = clip_coefficient(norm, t.grad_clip) if t.grad_clip > 0 else None
@@ -365,6 +416,9 @@ class EncoderWorker:
     @torch.no_grad()
     def validate(self) -> None:
         for b in range(self.val_loader.num_batches):
+            if self.side.all_ahead:  # every micro-batch sent when it begins; nothing comes back
+                self.side.begin(self.val_loader, b)
+                continue
             for _ in self._produce(self.val_loader, b):
                 pass
         self.side.seam.flush()  # a send dropped unfinished with this object would never arrive

@@ -81,8 +81,9 @@ class Trainer:
         else:
             self.recipe = recipe_for(self.model_config)
         whole_recipe = self.recipe
-        if meshes:  # this trainer's model is the decoder; the encoder is built beside it
-            self.recipe = modules_run.split_recipe(whole_recipe, "decoder")
+        self.encoder = meshes and modules_run.EncoderSide(cfg, ctx, whole_recipe, *meshes, DTYPES[t.dtype])
+        if meshes:  # this trainer's model is the decoder, embedding the encoder's rows
+            self.recipe = modules_run.split_recipe(whole_recipe, "decoder", self.encoder)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         torch.manual_seed(t.seed)
         # Born sharded: built on the meta device, each rank materialises only its pieces.
@@ -132,7 +133,6 @@ class Trainer:
 
         # DPO's frozen reference: the starting weights in this layout, built before any update
         self.reference = Reference(self, experts, load_weights) if self.objective.needs_reference else None
-        self.encoder = meshes and modules_run.EncoderSide(cfg, ctx, whole_recipe, *meshes, DTYPES[t.dtype])
         self.whole = modules_run.Both(self.model, self.encoder.model) if meshes else self.model
         self.ckpt_mesh = modules_run.Placement(self.mesh, self.encoder) if meshes else self.mesh
         load_weights(self.whole)  # before the optimizer copies the weights into its masters
@@ -299,6 +299,8 @@ class Trainer:
         metrics = None
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             total = self.pipeline.train_step([item for item, _ in micro], self.dp, step)
+            if self.encoder:  # the encoder's backward on ranks whose rows stage 0 consumed elsewhere
+                self.encoder.finish()
             metrics = self.pipeline.runtime.last_metrics
         else:
             for i, (item, forward) in enumerate(micro):

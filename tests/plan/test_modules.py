@@ -62,7 +62,15 @@ def test_disaggregated_plan_lays_the_decoder_over_the_other_ranks():
         ([("modules.encoder.ranks", "0-3")], "takes every rank"),
         ([("parallel.tp", "2"), ("modules.encoder.dp", "3")], "must equal the encoder's 4 ranks"),
         ([("parallel.tp", "1"), ("modules.encoder.ranks", "0-2"), ("modules.encoder.tp", "3")], "tp=3"),
-        ([("parallel.tp", "1"), ("parallel.pp", "2"), ("modules.encoder.ranks", "0-1")], "pp = cp = 1"),
+        (
+            [
+                ("parallel.tp", "1"),
+                ("parallel.pp", "2"),
+                ("parallel.pp_schedule", "zero-bubble"),
+                ("modules.encoder.ranks", "2-3"),
+            ],
+            "gpipe",
+        ),
     ],
 )
 def test_bad_module_layouts_fail_in_one_line(settings, words):

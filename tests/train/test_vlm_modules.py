@@ -49,6 +49,25 @@ LAYOUTS = [  # (name, world, settings, decoder ranks)
     ("ws3-disaggregated-enc-2-dec-dp2", 3, [("modules.encoder_ranks", "2")], 2),
     ("ws4-colocated-enc-dp4-dec-tp2xdp2", 4, [("modules.encoder_dp", "4"), ("parallel.tp", "2")], 4),
     ("ws2-colocated-enc-tp2-dec-dp2", 2, [("modules.encoder_tp", "2")], 2),
+    ("ws2-colocated-enc-dp2-dec-pp2", 2, [("modules.encoder_dp", "2"), ("parallel.pp", "2")], 2),
+    ("ws3-disaggregated-enc-2-dec-pp2", 3, [("modules.encoder_ranks", "2"), ("parallel.pp", "2")], 2),
+    (
+        "ws4-colocated-enc-dp2xtp2-dec-pp2xtp2",
+        4,
+        [
+            ("modules.encoder_dp", "2"),
+            ("modules.encoder_tp", "2"),
+            ("parallel.pp", "2"),
+            ("parallel.tp", "2"),
+        ],
+        4,
+    ),
+    (
+        "ws4-disaggregated-enc-dp2-dec-pp2-gpipe",
+        4,
+        [("modules.encoder_ranks", "2-3"), ("parallel.pp", "2"), ("parallel.pp_schedule", "gpipe")],
+        2,
+    ),
     (
         "ws4-colocated-enc-dp2xtp2-dec-tp2xdp2-zero3",
         4,
@@ -163,7 +182,7 @@ def test_one_process_checkpoint_resumes_under_modules(tmp_path):
         ([("modules.encoder_tp", "2"), ("checkpoint.export_safetensors", "true")], "exports gather over one"),
         ([("modules.encoder_ranks", "0")], "rank 0 logs the loss .* e.g. '1'"),
         ([("modules.encoder_ranks", "1"), ("checkpoint.export_hf", "true")], "export the checkpoint after"),
-        ([("modules.encoder_dp", "2"), ("parallel.pp", "2")], "pp = cp = 1"),
+        ([("modules.encoder_dp", "2"), ("parallel.pp", "2"), ("parallel.pp_schedule", "dualpipev")], "1f1b"),
     ],
 )
 def test_train_refuses_what_modules_do_not_run_in_one_line(tmp_path, extra, match):
