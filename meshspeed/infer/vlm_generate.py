@@ -54,7 +54,7 @@ def _prompt_texts(opts: dict) -> list[str]:
         except OSError as e:
             raise ConfigError(
                 f"--prompts={opts['prompts']!r} cannot be read ({e.strerror}); pass a text file"
-            )
+            ) from None
     return texts or [""]  # no prompt: a caption (--chat: a user turn holding the image alone)
 
 
@@ -63,7 +63,7 @@ def _device(opts: dict, gpus: int | None):
     from meshspeed.comm.context import choose_device, local_gpus
 
     gpus = local_gpus() if gpus is None else gpus
-    fix = f"run --nproc {gpus} with a layout of {gpus} ranks"
+    fix = f"give --nproc {gpus} and a --parallel.* layout of {gpus} ranks"
     return choose_device(opts.get("device") or "auto", opts["nproc"], gpus, key="--run.device", fix=fix)
 
 
@@ -113,7 +113,13 @@ def resolve(opts: dict, *, local_gpus: int | None = None) -> dict:
             f"--chat: the prompts put <image> at different tokens ({', '.join(map(str, starts))}); "
             "one run decodes prompts whose image sits at the same place: run the others apart"
         )
-    longest = max(len(i) for i in ids) + opts["max_new_tokens"]
+    prompt = max(len(i) for i in ids)
+    if prompt >= config.max_seq_len:  # no --max-new-tokens fits: the prompt is what must change
+        raise ConfigError(
+            f"the longest prompt with the {n_img} image tokens is {prompt} tokens, leaving no room under "
+            f"the model's max_seq_len {config.max_seq_len}; shorten it by {prompt - config.max_seq_len + 1}"
+        )
+    longest = prompt + opts["max_new_tokens"]
     if longest > config.max_seq_len:
         raise ConfigError(
             f"--max-new-tokens={opts['max_new_tokens']}: the {n_img} image tokens, the longest prompt and "

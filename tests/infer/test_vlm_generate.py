@@ -80,6 +80,13 @@ def test_image_reaches_the_model_as_the_records_pixels(run_dir, png):
     assert job["ids"][0][:16] == [255] * 16 and job["ids"][0][16:] == list(b"the")
 
 
+def test_prompts_file_adds_its_lines(run_dir, png, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("red?\n\nblue\n")
+    job = make_job(run_dir, png[0], prompt=["a"], prompts=str(f))
+    assert job["texts"] == ["a", "red?", "blue"] and job["ids"][2] == [255] * 16 + list(b"blue")
+
+
 def job_uncached(ctx, job: dict) -> list[list[int]]:
     """The oracle: infer/captions.greedy (no cache: the whole sequence through the decoder at
     every step, M-RoPE positions from the placeholders) on each prompt alone, one process."""
@@ -255,6 +262,7 @@ def test_documented_command_runs(run_dir, png, capfd, cmd):
     "extra,needle",
     [
         (["--max-new-tokens", "200"], "over the model's max_seq_len 128"),
+        (["--prompt", "x" * 120], "leaving no room under the model's max_seq_len 128; shorten it by 9"),
         (["--nproc", "2"], "--parallel.tp=1 × --parallel.dp=1 × --parallel.pp=1 = 1 must equal --nproc=2"),
         (["--parallel.pp", "3", "--nproc", "3"], "--parallel.pp=3: "),
         (
