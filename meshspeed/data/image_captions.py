@@ -25,7 +25,6 @@ longer than train.seq_len is refused naming its line, never cut.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -161,30 +160,3 @@ def load_caption_jsonl(
     seqs = [(ids, labels) for _, _, ids, labels in recs]
     cut = len(recs) - max(1, len(recs) // 10)
     return pack_rows(images[:cut], seqs[:cut], seq_len), pack_rows(images[cut:], seqs[cut:], seq_len)
-
-
-def caption_splits(
-    path: str, image_size: int, n_img: int, token_id: int, seq_len: int, splits=("train", "val")
-):
-    """The `splits` records ("train", "val": held out) of `data.path` (see the module docstring)."""
-    return tuple(_split(path, image_size, n_img, token_id, seq_len, s) for s in splits)
-
-
-@functools.lru_cache(maxsize=4)  # a pooled worker builds many trainers on the same records
-def _split(path: str, image_size: int, n_img: int, token_id: int, seq_len: int, split: str) -> dict:
-    from meshspeed.data import shapes
-
-    kw = dict(image_size=image_size, n_image_tokens=n_img, image_token_id=token_id, seq_len=seq_len)
-    train = split == "train"
-    try:
-        if path in ("", "shapes"):  # held out: another seed
-            return shapes.shapes_task(SHAPES_TRAIN if train else SHAPES_HELD_OUT, seed=int(not train), **kw)
-        if path == "digits":
-            return shapes.digits_task("train" if train else "heldout", **kw)
-    except ValueError as e:  # e.g. a caption longer than train.seq_len leaves room for
-        raise DataError(f"data.path={path or 'shapes'!r}: {e} (train.seq_len={seq_len})") from None
-    if path.endswith(".jsonl"):
-        return load_caption_jsonl(path, **kw)[int(not train)]
-    from meshspeed.data.image_sources import load_source_captions
-
-    return load_source_captions(path, **kw)[int(not train)]

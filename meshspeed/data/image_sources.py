@@ -15,6 +15,7 @@ A source with neither is refused in one line.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -22,7 +23,16 @@ import torch
 
 from meshspeed.data.chat import read_jsonl
 from meshspeed.data.corpus import DataError
-from meshspeed.data.image_captions import check_lengths, pack_rows, resize_rgb, scan_jsonl, text_sequence
+from meshspeed.data.image_captions import (
+    SHAPES_HELD_OUT,
+    SHAPES_TRAIN,
+    check_lengths,
+    load_caption_jsonl,
+    pack_rows,
+    resize_rgb,
+    scan_jsonl,
+    text_sequence,
+)
 from meshspeed.data.images import CAPTIONS_FILE, decode_captions, image_source, prepared_text, to_uint8
 
 
@@ -131,3 +141,28 @@ def check_caption_data(
         return f"data.path={path!r}: the caption {decode_captions(captions[k : k + 1])[0][:40]!r}"
 
     return check_lengths(lengths, where, seq_len, path)
+
+
+def caption_splits(
+    path: str, image_size: int, n_img: int, token_id: int, seq_len: int, splits=("train", "val")
+):
+    """The `splits` records ("train", "val": held out) of `data.path` (see the module docstring)."""
+    return tuple(_split(path, image_size, n_img, token_id, seq_len, s) for s in splits)
+
+
+@functools.lru_cache(maxsize=4)  # a pooled worker builds many trainers on the same records
+def _split(path: str, image_size: int, n_img: int, token_id: int, seq_len: int, split: str) -> dict:
+    from meshspeed.data import shapes
+
+    kw = dict(image_size=image_size, n_image_tokens=n_img, image_token_id=token_id, seq_len=seq_len)
+    train = split == "train"
+    try:
+        if path in ("", "shapes"):  # held out: another seed
+            return shapes.shapes_task(SHAPES_TRAIN if train else SHAPES_HELD_OUT, seed=int(not train), **kw)
+        if path == "digits":
+            return shapes.digits_task("train" if train else "heldout", **kw)
+    except ValueError as e:  # e.g. a caption longer than train.seq_len leaves room for
+        raise DataError(f"data.path={path or 'shapes'!r}: {e} (train.seq_len={seq_len})") from None
+    if path.endswith(".jsonl"):
+        return load_caption_jsonl(path, **kw)[int(not train)]
+    return load_source_captions(path, **kw)[int(not train)]

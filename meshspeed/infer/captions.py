@@ -114,7 +114,7 @@ def after_training(cfg) -> dict:
     """The end of `meshspeed train` on a vlm run (commands/train.py calls it in the launcher once
     the workers are done; train/ never imports infer/): the held-out records captioned greedily
     from the final checkpoint, the exact-match printed and written to run.dir/captions.json."""
-    from meshspeed.data.image_captions import caption_splits
+    from meshspeed.data.image_sources import caption_splits
     from meshspeed.models.vlm_config import image_tokens
 
     t0 = time.perf_counter()

@@ -43,6 +43,7 @@ from meshspeed.plan import config as config_mod
 from meshspeed.plan import modules as per_module
 from meshspeed.plan.estimate import BYTES, estimate_memory
 from meshspeed.plan.machine import Machine
+from meshspeed.plan.planner_modules import module_groups
 from meshspeed.plan.run_plan import make_plan, rank_params, resolve_model
 
 RECOMPUTE_FACTOR = {"none": 0.0, "activation": 0.01, "selective": 0.0, "full": 1.0}  # extra forwards
@@ -126,56 +127,11 @@ def layout_space(cfg, world: int, machine: Machine, fixed: dict | None = None) -
             if group:
                 groups.append(group)
     if model.family == "vlm":
-        groups += module_groups(cfg, model, world, machine, fixed, groups)
+        groups += module_groups(cfg, model, world, machine, fixed, groups, LADDER)
     return groups
 
 
 ONE_MESH = {"modules.encoder_ranks": "", "modules.encoder_dp": 0, "modules.encoder_tp": 1}
-
-
-def _encoder_splits(n: int, model) -> list[tuple[int, int]]:
-    """(encoder dp, encoder tp) over n ranks, tp dividing the ViT's heads."""
-    return [(n // t, t) for t in _divisors(n) if model.vision_heads % t == 0]
-
-
-def module_groups(cfg, model, world: int, machine: Machine, fixed: dict, seen: list) -> list[list[dict]]:
-    """The per-module candidates of a vlm, one group per structure in LADDER order (pp = cp = 1:
-    the seam feeds the decoder's first stage). Colocated: the encoder over every rank at its own
-    dp x tp beside the decoder at tp x dp, except encoder dp = decoder dp at tp 1 (the one-mesh
-    layout again). Disaggregated: the encoder on the last k ranks (k = 1, 2, world/4, world/2;
-    never rank 0, which logs the loss), the decoder's parallel.* over the first world - k."""
-    t, gpn = cfg.train, max(machine.gpus_per_node, 1)
-    structures = []  # (encoder ranks, encoder dp, encoder tp, decoder ranks)
-    for enc_dp, enc_tp in _encoder_splits(world, model):
-        structures.append(("", enc_dp, enc_tp, world))
-    for k in sorted({1, 2, world // 4, world // 2}):
-        if 1 <= k < world:
-            ranks = str(world - 1) if k == 1 else f"{world - k}-{world - 1}"
-            structures += [(ranks, dp, tp, world - k) for dp, tp in _encoder_splits(k, model)]
-    groups = []
-    for (ranks, enc_dp, enc_tp, dec_world), mbs in itertools.product(structures, (1, 2, 4)):
-        for tp in [d for d in _divisors(dec_world) if d <= gpn and model.n_heads % d == 0]:
-            dp = dec_world // tp
-            if not ranks and tp == 1 and enc_tp == 1:
-                continue  # the one-mesh data-parallel layout, planned above
-            if t.global_batch_size % dp or (t.global_batch_size // dp) % mbs or enc_dp > mbs * dp:
-                continue
-            mods = {"modules.encoder_ranks": ranks} if ranks or cfg.modules.encoder_ranks else {}
-            mods |= {"modules.encoder_dp": enc_dp, "modules.encoder_tp": enc_tp}
-            group = []
-            for rc, zero in LADDER:
-                s = {
-                    "parallel.tp": tp, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
-                    "parallel.zero": zero, "parallel.sequence_parallel": tp > 1,
-                    "parallel.pp_schedule": "1f1b", "parallel.vpp": 1,
-                    "train.micro_batch_size": mbs, "memory.recompute": rc, **mods,
-                }  # fmt: skip
-                s.update(fixed)
-                if s not in group and not any(s in g for g in seen + groups):
-                    group.append(s)
-            if group:
-                groups.append(group)
-    return groups
 
 
 def apply_settings(cfg, settings: dict, world: int):

@@ -189,7 +189,7 @@ def _check_data(cfg, config: ModelConfig, need: bool = True) -> str | None:
     if cfg.train.objective == "flow":  # images, not tokens: no tokenizer or token file to check
         return check_image_data(cfg, need)
     if config.family == "vlm":  # images and captions (the byte tokenizer's ids)
-        return check_vlm_data(cfg, need)
+        return check_vlm_data(cfg, config, need)
     d = cfg.data
     if not need:
         missing = [

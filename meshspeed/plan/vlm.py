@@ -47,12 +47,12 @@ def check_vlm(cfg, config) -> None:
 PLAN_CHECK_RECORDS = 100_000  # a .jsonl's records the plan reads (~1 s); the loader reads the rest
 
 
-def check_vlm_data(cfg, need: bool = True, config=None) -> str | None:
+def check_vlm_data(cfg, config, need: bool = True) -> str | None:
     """data.path of a vlm run: empty, 'shapes' or 'digits' (built in), a .jsonl of captions,
     questions or conversations about images, a file from `meshspeed data prepare --images` or a
     directory it reads (data/image_captions.py). Each record's form, image file and length
     against train.seq_len are checked here without opening an image. need=False (dry run): a
-    missing path is a note. config: the resolved ModelConfig (None: resolved here)."""
+    missing path is a note. config: the resolved ModelConfig."""
     from meshspeed.data.image_sources import check_caption_data
 
     path = cfg.data.path
@@ -67,10 +67,6 @@ def check_vlm_data(cfg, need: bool = True, config=None) -> str | None:
             'of {"image": "a.png", "caption": "..."} (or "question"/"answer", or "messages") lines, '
             "a file from `meshspeed data prepare --images` or the directory it was prepared from"
         )
-    if config is None:
-        from meshspeed.plan.run_plan import resolve_model  # run_plan imports this module
-
-        config = resolve_model(cfg)[0]
     n_img, seq_len = image_tokens(config), cfg.train.seq_len
     check_caption_data(path, n_img, config.image_token_id, seq_len, PLAN_CHECK_RECORDS)
     return None

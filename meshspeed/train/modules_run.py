@@ -128,25 +128,26 @@ class Both(nn.Module):
             yield from m.named_modules(memo, prefix, remove_duplicate)
 
 
+@contextlib.contextmanager
+def _each(contexts):
+    """Every context manager of `contexts` entered, in order."""
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
 class _Gathered:
-    """ZeRO-3's gathered() over the parts that have one."""
+    """ZeRO-3's gathered() and held() (a pipeline step's) over the parts that have one."""
 
     def __init__(self, parts):
         self.parts = parts
 
-    @contextlib.contextmanager
     def gathered(self):
-        with contextlib.ExitStack() as stack:
-            for z in self.parts:
-                stack.enter_context(z.gathered())
-            yield
+        return _each(z.gathered() for z in self.parts)
 
-    @contextlib.contextmanager
-    def held(self):  # a pipeline step's (parallel/pipeline/forward_only.held)
-        with contextlib.ExitStack() as stack:
-            for z in self.parts:
-                stack.enter_context(z.held())
-            yield
+    def held(self):
+        return _each(z.held() for z in self.parts)
 
 
 class JoinedDP:
@@ -161,12 +162,8 @@ class JoinedDP:
     def _dps(self):
         return [dp for dp, _ in self.parts if dp is not None]
 
-    @contextlib.contextmanager
     def no_sync(self):
-        with contextlib.ExitStack() as stack:
-            for dp in self._dps():
-                stack.enter_context(dp.no_sync())
-            yield
+        return _each(dp.no_sync() for dp in self._dps())
 
     def finish_grad_sync(self) -> None:
         for dp in self._dps():
@@ -351,7 +348,7 @@ class EncoderWorker:
         from meshspeed.interop.hf_import import source_recipe
         from meshspeed.models import recipe_for
         from meshspeed.train.batches import make_loaders
-        from meshspeed.train.trainer import DTYPES
+        from meshspeed.train.model_features import DTYPES
 
         self.cfg, self.ctx, self.plan, t = cfg, ctx, plan, cfg.train
         self.model_config = plan.model_config()

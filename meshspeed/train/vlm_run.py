@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from meshspeed.data.image_captions import caption_splits
+from meshspeed.data.image_sources import caption_splits
 from meshspeed.models.vlm import mrope_positions
 from meshspeed.models.vlm_config import image_tokens
 from meshspeed.train.objectives.lm import SFT

@@ -18,7 +18,8 @@ from PIL import Image
 
 from meshspeed.cli import main
 from meshspeed.comm import ConfigError
-from meshspeed.data.image_captions import caption_splits, load_caption_jsonl, read_rgb
+from meshspeed.data.image_captions import load_caption_jsonl, read_rgb
+from meshspeed.data.image_sources import caption_splits
 from meshspeed.data.images import load_image_records
 from meshspeed.plan import config
 from meshspeed.plan.run_plan import make_plan
