@@ -108,6 +108,16 @@ def run(args) -> int:
     if not quiet:
         for w in plan.warnings:
             print(f"meshspeed train: warning: {w}", file=sys.stderr, flush=True)
+    vlm = plan.model.get("family") == "vlm"
+    if launched() and vlm and cfg.checkpoint.export_hf:  # the launcher converts it (below)
+        if not quiet:
+            print(
+                "meshspeed train: checkpoint.export_hf=true with a vlm is written by meshspeed's own "
+                "launcher; under torchrun convert the final checkpoint after training: meshspeed "
+                f"convert --checkpoint {cfg.run.dir} --to-hf {cfg.run.dir}/hf",
+                file=sys.stderr,
+            )
+        return 2
     if launched():  # torchrun: this process is one rank; a failure is one line and a non-zero exit
         return launch.run_worker(worker, (plan.to_dict(),))
     try:
@@ -120,7 +130,13 @@ def run(args) -> int:
             from meshspeed.infer.sample_run import after_training
 
             after_training(cfg)
-        if rc == 0 and plan.model.get("family") == "vlm":  # held-out captions of the final weights
+        if rc == 0 and vlm and cfg.checkpoint.export_hf:  # Qwen2-VL's layout, from the final checkpoint
+            from meshspeed.interop.hf_vlm_io import export_vlm_checkpoint
+
+            out = os.path.join(cfg.run.dir, "hf")
+            export_vlm_checkpoint(cfg.run.dir, out, overwrite=True)  # a run's own export, replaced
+            print(f"  hugging face {out}")
+        if rc == 0 and vlm:  # held-out captions of the final weights
             from meshspeed.infer.captions import after_training as captions_after_training
 
             captions_after_training(cfg)

@@ -264,15 +264,14 @@ def check_trainable(cfg, layout: dict) -> None:
     last = f"{world - len(e['ranks'])}-{world - 1}" if len(e["ranks"]) > 1 else str(world - 1)
     apart = layout["mode"] == "disaggregated"
     refusals = (
-        (e["tp"] > 1 and (cfg.checkpoint.export_hf or cfg.checkpoint.export_safetensors),
-         f"modules.encoder_tp={m.encoder_tp} and checkpoint.export_hf/export_safetensors", "exports "
-         "gather over one mesh's tp; export the checkpoint afterwards (meshspeed convert --checkpoint RUN "
-         "--to-hf DIR)"),
+        (e["tp"] > 1 and cfg.checkpoint.export_safetensors,
+         f"modules.encoder_tp={m.encoder_tp} and checkpoint.export_safetensors", "the export gathers "
+         "over one mesh's tp; use checkpoint.export_hf (converted from the final checkpoint)"),
         (apart and 0 in e["ranks"], f"modules.encoder_ranks={m.encoder_ranks!r}",
          f"rank 0 logs the loss and must run the decoder; give the encoder the last ranks, e.g. '{last}'"),
-        (apart and (cfg.checkpoint.export_hf or cfg.checkpoint.export_safetensors),
-         "checkpoint.export_hf/export_safetensors", "the decoder's ranks do not hold the encoder when "
-         "disaggregated; export the checkpoint afterwards (meshspeed convert --checkpoint RUN --to-hf DIR)"),
+        (apart and cfg.checkpoint.export_safetensors, "checkpoint.export_safetensors",
+         "the decoder's ranks do not hold the encoder when disaggregated; use checkpoint.export_hf "
+         "(converted from the final checkpoint)"),
         (cfg.sparsity.pattern != "none", f"sparsity.pattern={cfg.sparsity.pattern}",
          "sparsity is not built for per-module layouts; use sparsity.pattern=none"),
     )  # fmt: skip

@@ -416,7 +416,7 @@ class Trainer:
                 summary["safetensors"] = export_safetensors(
                     self.whole, self.mesh, os.path.join(self.cfg.run.dir, "model.safetensors")
                 )
-            if c.export_hf:
+            if c.export_hf and self.model_config.family != "vlm":  # a vlm's: the launcher converts
                 summary["hf"] = export_hf(
                     self.whole,
                     self.mesh,

@@ -179,9 +179,9 @@ def test_one_process_checkpoint_resumes_under_modules(tmp_path):
 @pytest.mark.parametrize(
     "extra,match",
     [
-        ([("modules.encoder_tp", "2"), ("checkpoint.export_safetensors", "true")], "exports gather over one"),
+        ([("modules.encoder_tp", "2"), ("checkpoint.export_safetensors", "true")], "gathers over one mesh"),
         ([("modules.encoder_ranks", "0")], "rank 0 logs the loss .* e.g. '1'"),
-        ([("modules.encoder_ranks", "1"), ("checkpoint.export_hf", "true")], "export the checkpoint after"),
+        ([("modules.encoder_ranks", "1"), ("checkpoint.export_safetensors", "true")], "use checkpoint.exp"),
         ([("modules.encoder_dp", "2"), ("parallel.pp", "2"), ("parallel.pp_schedule", "dualpipev")], "1f1b"),
     ],
 )
