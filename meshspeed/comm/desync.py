@@ -157,6 +157,39 @@ def _stalled(before: list, after: list) -> list[int]:
     return [r for r, (a, b) in enumerate(zip(before, after)) if b is None or a == b]
 
 
+def stalled_ranks(ctx) -> list[int] | None:
+    """The ranks whose heartbeat did not move over HEARTBEAT_WINDOW_S (a point-to-point wait's
+    root cause: the peer stopped, or something it waits for did), or None when there is no store
+    or it did not answer. Bounded as diagnose_timeout's polling is: a daemon thread, abandoned."""
+    store, world = getattr(ctx, "store", None), getattr(ctx, "world_size", 0)
+    if store is None:
+        return None
+    found: list = []
+
+    def poll() -> None:
+        try:
+            before = _beats(store, world)
+            time.sleep(HEARTBEAT_WINDOW_S)
+            found.append(_stalled(before, _beats(store, world)))
+        except Exception:  # noqa: BLE001 - the store is gone: nothing more to say
+            pass
+
+    worker = threading.Thread(target=poll, name="meshspeed-diagnose-p2p", daemon=True)
+    worker.start()
+    worker.join(HEARTBEAT_WINDOW_S + 5.0)
+    return found[0] if found else None
+
+
+def root_cause(stalled: list[int]) -> str:
+    """The prefix naming the ranks whose heartbeat stopped, first in a timeout's message."""
+    many = len(stalled) > 1
+    return (
+        f"meshspeed: {'ranks' if many else 'rank'} {_ranks(stalled)} stopped making progress ("
+        f"{'their heartbeats' if many else 'its heartbeat'} stopped or never started: stopped, "
+        f"frozen, dead, or hung before {'their' if many else 'its'} first collective); "
+    )
+
+
 def diagnose_timeout(
     group: GroupView, seq: int, desc: str, timeout_s: float, cause: str = ""
 ) -> CollectiveTimeout:
@@ -241,12 +274,7 @@ def _timeout_error(
     where = f"\n  full trace: {dump}" if dump else "\n  (set MESHSPEED_TRACE_DIR to dump the full trace)"
     root = ""
     if stalled:  # the root cause first: the rank(s) whose heartbeat stopped
-        many = len(stalled) > 1
-        root = (
-            f"meshspeed: {'ranks' if many else 'rank'} {_ranks(stalled)} stopped making progress ("
-            f"{'their heartbeats' if many else 'its heartbeat'} stopped or never started: stopped, "
-            f"frozen, dead, or hung before {'their' if many else 'its'} first collective); "
-        )
+        root = root_cause(stalled)
         head = head.replace("meshspeed: ", "", 1)
     err = CollectiveTimeout(f"{root}{head}{who}\n  last collectives on this rank:\n{tail}{where}")
     err.culprits = list(stalled or [])

@@ -329,10 +329,16 @@ class Group:
                 f"timed out after {self.ctx.timeout_s:g}s on rank {self.global_rank}: rank {who} never "
                 "posted the matching transfer"
             )
-        return CollectiveTimeout(
-            f"meshspeed: {what} with rank {who} on group {self.name} {why}\n"
+        # the root cause first, as for a collective: a peer that stopped (or is itself stuck
+        # behind one) has a heartbeat that stopped moving
+        stalled = [] if cause else desync.stalled_ranks(self.ctx) or []
+        root = desync.root_cause(stalled) if stalled else "meshspeed: "
+        err = CollectiveTimeout(
+            f"{root}{what} with rank {who} on group {self.name} {why}\n"
             f"  last collectives on this rank:\n{self.ctx.recorder.format_tail(5)}"
         )
+        err.culprits = stalled
+        return err
 
 
 class Lane:
