@@ -23,11 +23,11 @@ def module_groups(
     cfg, model, world: int, machine: Machine, fixed: dict, seen: list, ladder
 ) -> list[list[dict]]:
     """The per-module candidates of a vlm, one group per structure, each through `ladder` (the
-    planner's memory ladder), at pp = cp = 1 (the trainer also runs a decoder pipeline under
-    [modules]; the planner does not search it yet). Colocated: the encoder over every rank at its own
+    planner's memory ladder), at cp = 1. Colocated: the encoder over every rank at its own
     dp x tp beside the decoder at tp x dp, except encoder dp = decoder dp at tp 1 (the one-mesh
     layout again). Disaggregated: the encoder on the last k ranks (k = 1, 2, world/4, world/2;
-    never rank 0, which logs the loss), the decoder's parallel.* over the first world - k."""
+    never rank 0, which logs the loss), the decoder's parallel.* over the first world - k, as tp x
+    dp or with pp (the encoder's ranks feed its first stage)."""
     t, gpn = cfg.train, max(machine.gpus_per_node, 1)
     structures = []  # (encoder ranks, encoder dp, encoder tp, decoder ranks)
     for enc_dp, enc_tp in _encoder_splits(world, model):
@@ -38,8 +38,12 @@ def module_groups(
             structures += [(ranks, dp, tp, world - k) for dp, tp in _encoder_splits(k, model)]
     groups = []
     for (ranks, enc_dp, enc_tp, dec_world), mbs in itertools.product(structures, (1, 2, 4)):
-        for tp in [d for d in _divisors(dec_world) if d <= gpn and model.n_heads % d == 0]:
-            dp = dec_world // tp
+        # the decoder: tp x dp, and beside an encoder on its own ranks also pp (MindSpeed's
+        # dist-train shape), 1F1B over whole layers
+        pps = [p for p in _divisors(dec_world) if p == 1 or (ranks and model.n_layers % p == 0)]
+        shapes = [(tp, pp) for pp in pps for tp in _divisors(dec_world // pp)]
+        for tp, pp in [(tp, pp) for tp, pp in shapes if tp <= gpn and model.n_heads % tp == 0]:
+            dp = dec_world // (tp * pp)
             if not ranks and tp == 1 and enc_tp == 1:
                 continue  # the one-mesh data-parallel layout, planned above
             if t.global_batch_size % dp or (t.global_batch_size // dp) % mbs or enc_dp > mbs * dp:
@@ -49,7 +53,7 @@ def module_groups(
             group = []
             for rc, zero in ladder:
                 s = {
-                    "parallel.tp": tp, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
+                    "parallel.tp": tp, "parallel.pp": pp, "parallel.cp": 1, "parallel.ep": 1,
                     "parallel.zero": zero, "parallel.sequence_parallel": tp > 1,
                     "parallel.pp_schedule": "1f1b", "parallel.vpp": 1,
                     "train.micro_batch_size": mbs, "memory.recompute": rc, **mods,

@@ -41,10 +41,15 @@ def _kinds(groups) -> set:
 def test_a_vlm_is_planned_one_mesh_colocated_and_disaggregated():
     groups = layout_space(_cfg(), 4, get_machine("cpu"))
     assert _kinds(groups) == {"one mesh", "colocated", "disaggregated"}
+    piped = set()
     for s in (s for g in groups for s in g):
         if s.get("modules.encoder_ranks"):  # the last k ranks: rank 0 logs the loss
             assert "0" not in s["modules.encoder_ranks"].split("-")[0], s
-            assert s["parallel.pp"] == s["parallel.cp"] == 1, s
+            piped.add(s["parallel.pp"])
+            assert s["parallel.cp"] == 1, s
+        else:  # colocated: the decoder is not pipelined
+            assert s["parallel.pp"] == 1 or "modules.encoder_dp" not in s, s
+    assert piped == {1, 2}, piped  # the dist-train shape: the decoder's 2 layers over 2 stages
     plain = layout_space(
         config.load(None, [("model.preset", "tiny"), ("run.dir", "/tmp/ms-pm")]), 4, get_machine("cpu")
     )
