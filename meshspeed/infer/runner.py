@@ -29,6 +29,20 @@ def _device(opts: dict, gpus: int | None):
     return choose_device(opts.get("device") or "auto", opts["nproc"], gpus, key="--run.device", fix=fix)
 
 
+def prompt_texts(opts: dict) -> list[str]:
+    """--prompt (repeatable) then the lines of --prompts FILE (blank lines skipped)."""
+    texts = list(opts.get("prompt") or [])
+    if opts.get("prompts"):
+        try:
+            with open(opts["prompts"]) as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(
+                f"--prompts={opts['prompts']!r} cannot be read ({e.strerror}); pass a text file"
+            ) from None
+    return texts
+
+
 def resolve(opts: dict, *, local_gpus: int | None = None) -> dict:
     """Checked, plain-data job description from the command's options (see commands/generate.py).
     `local_gpus`: the GPUs to place the ranks on (default: counted here)."""
@@ -67,15 +81,7 @@ def resolve(opts: dict, *, local_gpus: int | None = None) -> dict:
     )
     tok = load_tokenizer(spec)
     check_vocab(tok, config.vocab_size, "--tokenizer")
-    texts = list(opts.get("prompt") or [])
-    if opts.get("prompts"):
-        try:
-            with open(opts["prompts"]) as f:
-                texts += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            raise ConfigError(
-                f"--prompts={opts['prompts']!r} cannot be read ({e.strerror}); pass a text file"
-            ) from None
+    texts = prompt_texts(opts)
     if not texts:
         raise ConfigError("no prompt: give --prompt TEXT (repeatable) or --prompts FILE (one per line)")
     eos_id = tok.eot

@@ -45,19 +45,6 @@ def chat_prompt(text: str, config) -> list[int]:
     return ids[: first + 1]
 
 
-def _prompt_texts(opts: dict) -> list[str]:
-    texts = list(opts.get("prompt") or [])
-    if opts.get("prompts"):
-        try:
-            with open(opts["prompts"]) as f:
-                texts += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            raise ConfigError(
-                f"--prompts={opts['prompts']!r} cannot be read ({e.strerror}); pass a text file"
-            ) from None
-    return texts or [""]  # no prompt: a caption (--chat: a user turn holding the image alone)
-
-
 def _device(opts: dict, gpus: int | None):
     """--run.device for the --nproc local ranks, as the text path chooses it (comm.context)."""
     from meshspeed.comm.context import choose_device, local_gpus
@@ -98,7 +85,9 @@ def resolve(opts: dict, *, local_gpus: int | None = None) -> dict:
             stage_layouts(recipe_for(config), pp)
         except ValueError as err:
             raise ConfigError(f"--parallel.pp={pp}: {err}") from None
-    texts = _prompt_texts(opts)
+    from meshspeed.infer.runner import prompt_texts
+
+    texts = prompt_texts(opts) or [""]  # no prompt: a caption (--chat: a user turn holding the image alone)
     n_img = image_tokens(config)
     if opts.get("chat"):
         try:

@@ -196,24 +196,12 @@ def test_cli_trains_the_dist_train_shape_and_exports_qwen2_vl(tmp_path):
     """`meshspeed train` as docs/vlm.md shows it: the ViT on its own rank, the decoder a 2-stage
     pipeline on the others, `checkpoint.export_hf` — the launcher converts the final checkpoint,
     which transformers loads with every weight matched."""
-    import os
-    import sys
+    from tests.data.test_vlm_records import _train  # the CLI run those tests make, shapes data
 
-    from tests import warm
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    argv = [
-        sys.executable,
-        "-m",
-        "meshspeed",
-        "train",
-        "--config",
-        os.path.join(root, "configs", "vlm-tiny.toml"),
-    ]
-    argv += ["--nproc", "3", "--modules.encoder_ranks", "2", "--parallel.pp", "2", "--train.steps", "2"]
-    argv += ["--train.micro_batch_size", "8", "--checkpoint.export_hf", "true", "--run.dir", "run"]
-    done = warm.run(argv, cwd=str(tmp_path), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    extra = ["--nproc", "3", "--modules.encoder_ranks", "2", "--parallel.pp", "2"]
+    done = _train(
+        tmp_path, "shapes", *extra, "--train.micro_batch_size", "8", "--checkpoint.export_hf", "true"
+    )
     assert "decoder ranks 0-1 pp 2" in done.stdout and "hugging face" in done.stdout
     from transformers import Qwen2VLForConditionalGeneration
 
