@@ -20,6 +20,33 @@ DIT_PAPER = dict(
     norm_eps=1e-6,
 )
 
+# Qwen2 decoders: their own presets, and the vlm presets' language models (Qwen2-VL's decoder is
+# Qwen2's; the vlm presets add the ViT and the merger).
+TINY_QWEN2 = dict(
+    family="qwen2",
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    ffn_hidden=384,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    max_seq_len=256,
+)
+QWEN2_7B = dict(
+    family="qwen2",
+    dim=3584,
+    n_layers=28,
+    n_heads=28,
+    n_kv_heads=4,
+    vocab_size=152064,
+    ffn_hidden=18944,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+    max_seq_len=32768,
+)
+
 PRESETS: dict[str, dict] = {
     # Trains in seconds on a laptop CPU: byte vocabulary, ~0.46M parameters.
     "tiny": dict(
@@ -122,43 +149,14 @@ PRESETS: dict[str, dict] = {
         router_softmax="before_topk",
     ),
     # Qwen2 family at tiny size (q/k/v biases, untied embeddings): tests and quick runs.
-    "tiny-qwen2": dict(
-        family="qwen2",
-        dim=128,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=256,
-        ffn_hidden=384,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-        max_seq_len=256,
-    ),
+    "tiny-qwen2": TINY_QWEN2,
     # Qwen2-7B: 7,615,616,512 parameters (28 layers, GQA 28/4, untied 152,064-token vocabulary).
-    "qwen2-7b": dict(
-        family="qwen2",
-        dim=3584,
-        n_layers=28,
-        n_heads=28,
-        n_kv_heads=4,
-        vocab_size=152064,
-        ffn_hidden=18944,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-        max_seq_len=32768,
-    ),
+    "qwen2-7b": QWEN2_7B,
     # Vision-language at CPU size (family vlm, Qwen2-VL's shape): 32 x 32 images in 4 x 4
     # patches, merged 2 x 2 into 16 image tokens; learns the built-in shapes captions in minutes.
     "vlm-tiny": dict(
+        TINY_QWEN2,
         family="vlm",
-        dim=128,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=256,
-        ffn_hidden=384,
-        norm_eps=1e-6,
-        rope_theta=1e6,
         max_seq_len=128,
         image_size=32,
         patch_size=4,
@@ -177,16 +175,8 @@ PRESETS: dict[str, dict] = {
     # 8,290,622,976 parameters: transformers' 8,291,375,616 less the Conv3d's second time tap,
     # which a still image sums into one (interop/hf_vlm.py).
     "qwen2-vl-7b": dict(
+        QWEN2_7B,
         family="vlm",
-        dim=3584,
-        n_layers=28,
-        n_heads=28,
-        n_kv_heads=4,
-        vocab_size=152064,
-        ffn_hidden=18944,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-        max_seq_len=32768,
         image_size=448,
         patch_size=14,
         vision_dim=1280,

@@ -13,7 +13,7 @@ from meshspeed.cli import main
 from meshspeed.plan import config
 from meshspeed.train.trainer import Trainer
 from tests import harness
-from tests.interop.test_hf_vlm import CONFIG, IMG, hf_logits, hf_model
+from tests.interop.test_hf_vlm import CONFIG, IMG, hf_logits, hf_model, processor
 
 transformers = pytest.importorskip("transformers")
 SIDE = 32  # no meshspeed_image_size in a transformers-saved config.json: 4 merged tokens a side
@@ -25,15 +25,7 @@ def inputs(b: int = 2):
     tokens = torch.randint(0, 200, (b, 26), generator=gen)
     tokens[:, 3:19] = IMG
     images = torch.rand(b, 3, SIDE, SIDE, generator=gen) * 2 - 1
-    proc = transformers.Qwen2VLImageProcessor(
-        do_resize=False,
-        do_rescale=False,
-        do_normalize=False,
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
-    pv = proc(images=list(images.numpy()), return_tensors="pt", input_data_format="channels_first")
+    pv = processor()(images=list(images.numpy()), return_tensors="pt", input_data_format="channels_first")
     assert pv["image_grid_thw"].tolist() == [[1, 8, 8]] * b
     return tokens, images, pv["pixel_values"]
 

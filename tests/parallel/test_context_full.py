@@ -67,6 +67,16 @@ def random_init(fqn: str, shape, seed: int = 0) -> torch.Tensor:
     return 0.1 * torch.randn(tuple(shape), generator=gen)
 
 
+def random_reference(cfg: ModelConfig):
+    """(the recipe whose init is random_init, the one-device model holding those values)."""
+    recipe = dataclasses.replace(recipe_for(cfg), init=random_init)
+    ref = build_model(cfg)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(random_init(name, p.shape))
+    return recipe, ref
+
+
 def _batch(cfg: ModelConfig, n: int):
     gen = torch.Generator().manual_seed(11)
     x0, eps = (torch.randn(n, cfg.in_channels, 12, 12, generator=gen) for _ in range(2))
@@ -82,11 +92,7 @@ def _run(model, batch):
 
 def job_dit_cp(ctx, impl: str, u: int, dp: int, tp: int, sp: bool) -> list[str]:
     cfg = ModelConfig(**CFG)
-    recipe = dataclasses.replace(recipe_for(cfg), init=random_init)
-    ref = build_model(cfg)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(random_init(name, p.shape))
+    recipe, ref = random_reference(cfg)
     batch = _batch(cfg, 2 * dp)
     ref_out, ref_loss = _run(ref, batch)
     ref_loss.backward()

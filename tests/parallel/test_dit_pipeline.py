@@ -13,14 +13,12 @@ and evaluation) and each rank's parameter gradients.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from meshspeed import comm
 from meshspeed.comm.placement import full_grad
-from meshspeed.models import ModelConfig, build_model, recipe_for
+from meshspeed.models import ModelConfig, recipe_for
 from meshspeed.parallel.context import apply_context_parallel, context_parallel
 from meshspeed.parallel.pipeline.runtime import PipelineRuntime
 from meshspeed.parallel.pipeline.schedules import get_schedule
@@ -28,7 +26,7 @@ from meshspeed.parallel.pipeline.stage import build_stages
 from meshspeed.train.objectives.flow import flow_loss, noisy
 from tests import harness
 from tests.parallel.test_context import close
-from tests.parallel.test_context_full import random_init
+from tests.parallel.test_context_full import random_reference
 
 CFG = dict(
     family="dit", dim=48, n_layers=4, n_heads=12, image_size=12, patch_size=2, in_channels=2,
@@ -48,11 +46,7 @@ def _micro(cfg: ModelConfig) -> list[dict]:
 
 def job_dit_pp(ctx, dims: dict, runs: list) -> list[str]:
     cfg = ModelConfig(**CFG)
-    recipe = dataclasses.replace(recipe_for(cfg), init=random_init)
-    ref = build_model(cfg)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(random_init(name, p.shape))
+    recipe, ref = random_reference(cfg)
     micro = _micro(cfg)
     whole = {k: torch.cat([mb[k] for mb in micro]) for k in micro[0]}
     ref_out = ref(whole["x_t"], whole["t"], whole["y"])

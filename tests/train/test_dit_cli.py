@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import torch
 from PIL import Image
 
 from meshspeed.cli import main
+from tests import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,14 +35,7 @@ def test_train_config_then_sample(tmp_path, capsys):
         "--flow.sample_steps",
         "2",
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "meshspeed", "train", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    out = warm.run([sys.executable, "-m", "meshspeed", "train", *argv], env=env, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dp 2 × tp 1" in out.stdout and "the EMA of the weights (decay 0.99, 4 updates)" in out.stdout
     assert "the digit classifier recognises" in out.stdout and "FID" in out.stdout

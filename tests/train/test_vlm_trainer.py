@@ -62,15 +62,21 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name,ws,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_layout_equals_one_process(tmp_path_factory, name, ws, extra):
-    want = reference(tmp_path_factory)
-    got = harness.run(ws, job_rows, str(tmp_path_factory.mktemp(f"vlm-{name}")), extra)
+def assert_rows_equal(got: list, want: list, name: str) -> None:
+    """Every rank's [loss, grad norm] per step and [validation loss] the same, and equal to one
+    process's (shared by the SP and [modules] parity tests)."""
     assert all(g == got[0] for g in got), f"{name}: ranks disagree"
     for step, (g, w) in enumerate(zip(got[0], want, strict=True)):
         for i, (a, b) in enumerate(zip(g, w, strict=True)):
             tol = (2e-4 if i == 1 else 2e-5) * max(abs(b), 0.05)  # the norm sums more roundings
             assert abs(a - b) <= tol, f"{name} step {step} column {i}: {a} vs one process {b}"
+
+
+@pytest.mark.parametrize("name,ws,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_layout_equals_one_process(tmp_path_factory, name, ws, extra):
+    want = reference(tmp_path_factory)
+    got = harness.run(ws, job_rows, str(tmp_path_factory.mktemp(f"vlm-{name}")), extra)
+    assert_rows_equal(got, want, name)
     assert want[1][0] < want[0][0], "the caption loss falls"
 
 
