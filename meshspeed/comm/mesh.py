@@ -32,7 +32,8 @@ from meshspeed.comm.group import Group
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """1 .. n's divisors, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -63,7 +64,7 @@ class ParallelDims:
         if (self.dp * self.cp) % self.ep:
             raise ConfigError(
                 f"parallel.ep={self.ep} must divide dp×cp = {self.dp * self.cp} (expert parallelism borrows "
-                f"data/context-parallel ranks); valid: {', '.join(map(str, _divisors(self.dp * self.cp)))}"
+                f"data/context-parallel ranks); valid: {', '.join(map(str, divisors(self.dp * self.cp)))}"
             )
         if self.etp not in (0, 1, self.tp) or isinstance(self.etp, bool):
             raise ConfigError(

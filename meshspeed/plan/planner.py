@@ -37,6 +37,7 @@ import shlex
 
 from meshspeed.comm import ConfigError, ParallelDims
 from meshspeed.comm.cost_model import predict
+from meshspeed.comm.mesh import divisors
 from meshspeed.models.flops import flops_per_token, matmul_params
 from meshspeed.parallel.pipeline.layout import StageLayout
 from meshspeed.plan import config as config_mod
@@ -47,10 +48,6 @@ from meshspeed.plan.planner_modules import module_groups
 from meshspeed.plan.run_plan import make_plan, rank_params, resolve_model
 
 RECOMPUTE_FACTOR = {"none": 0.0, "activation": 0.01, "selective": 0.0, "full": 1.0}  # extra forwards
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # The settings the planner chooses (the rest come from the config and stay as they are).
@@ -91,16 +88,16 @@ def layout_space(cfg, world: int, machine: Machine, fixed: dict | None = None) -
     fixed = fixed or {}
     model, _ = resolve_model(cfg)
     t = cfg.train
-    tps = [d for d in _divisors(world) if d <= max(machine.gpus_per_node, 1) and model.n_heads % d == 0]
+    tps = [d for d in divisors(world) if d <= max(machine.gpus_per_node, 1) and model.n_heads % d == 0]
     groups = []
     reset = model.family == "vlm" and per_module.active(cfg)
     pinned = {k: v for k, v in fixed.items() if k.startswith("modules.")}
     one_mesh = {**ONE_MESH, **pinned} == ONE_MESH  # pinned [modules] settings: per-module only
-    for tp, pp, cp in itertools.product(tps, _divisors(world) if one_mesh else (), (1, 2, 4)):
+    for tp, pp, cp in itertools.product(tps, divisors(world) if one_mesh else (), (1, 2, 4)):
         if world % (tp * pp * cp) or pp > model.n_layers or (cp > 1 and t.seq_len % (2 * cp)):
             continue
         dp = world // (tp * pp * cp)
-        eps = [e for e in _divisors(dp * cp) if model.n_experts % e == 0] if model.n_experts else [1]
+        eps = [e for e in divisors(dp * cp) if model.n_experts % e == 0] if model.n_experts else [1]
         scheds = [("1f1b", 1)] + ([("interleaved", 2)] if pp > 1 and model.n_layers % (2 * pp) == 0 else [])
         for ep, (sched, vpp), mbs in itertools.product(eps, scheds, (1, 2, 4)):
             if t.global_batch_size % dp or (t.global_batch_size // dp) % mbs:

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import itertools
 
+from meshspeed.comm.mesh import divisors
 from meshspeed.plan.machine import Machine
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _encoder_splits(n: int, model) -> list[tuple[int, int]]:
     """(encoder dp, encoder tp) over n ranks, tp dividing the ViT's heads."""
-    return [(n // t, t) for t in _divisors(n) if model.vision_heads % t == 0]
+    return [(n // t, t) for t in divisors(n) if model.vision_heads % t == 0]
 
 
 def module_groups(
@@ -40,8 +37,8 @@ def module_groups(
     for (ranks, enc_dp, enc_tp, dec_world), mbs in itertools.product(structures, (1, 2, 4)):
         # the decoder: tp x dp, and beside an encoder on its own ranks also pp (MindSpeed's
         # dist-train shape), 1F1B over whole layers
-        pps = [p for p in _divisors(dec_world) if p == 1 or (ranks and model.n_layers % p == 0)]
-        shapes = [(tp, pp) for pp in pps for tp in _divisors(dec_world // pp)]
+        pps = [p for p in divisors(dec_world) if p == 1 or (ranks and model.n_layers % p == 0)]
+        shapes = [(tp, pp) for pp in pps for tp in divisors(dec_world // pp)]
         for tp, pp in [(tp, pp) for tp, pp in shapes if tp <= gpn and model.n_heads % tp == 0]:
             dp = dec_world // (tp * pp)
             if not ranks and tp == 1 and enc_tp == 1:
